@@ -1,0 +1,1 @@
+toolguard/sql

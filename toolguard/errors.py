@@ -1,0 +1,163 @@
+"""One hierarchy for every error toolguard raises.
+
+Each error carries a stable ``reason`` code: the same string lands in the audit
+log, in the ``ToolMessage`` the model reads, and in CLI exit summaries, so
+scripts and people can match on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "BackendUnavailable",
+    "ConfigurationError",
+    "DuplicateIntent",
+    "IdempotencyConflict",
+    "IntentRejected",
+    "InvalidArguments",
+    "LockError",
+    "LockLost",
+    "LockTimeout",
+    "NotAuthorized",
+    "NotOwned",
+    "OutOfOrder",
+    "PolicyError",
+    "StaleFencingToken",
+    "StoreError",
+    "ToolGuardError",
+    "UnknownTool",
+]
+
+
+class ToolGuardError(Exception):
+    """Root of toolguard's errors; ``reason`` is a stable, machine-readable code."""
+
+    reason: str = "error"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else self.reason
+
+
+class ConfigurationError(ToolGuardError):
+    """Settings or URLs that cannot work (unknown scheme, TTL too small...)."""
+
+    reason = "configuration"
+
+
+class BackendUnavailable(ToolGuardError):
+    """The lock server or the store could not be reached."""
+
+    reason = "backend_unavailable"
+
+
+# --- locks -------------------------------------------------------------------
+
+
+class LockError(ToolGuardError):
+    """A lock operation failed; ``keys`` names the lock keys involved."""
+
+    reason = "lock_error"
+
+    def __init__(self, message: str, *, keys: Iterable[str] = (), reason: str | None = None):
+        super().__init__(message, reason=reason)
+        self.keys: tuple[str, ...] = tuple(keys)
+
+
+class LockTimeout(LockError):
+    """The wait deadline passed before every key could be taken."""
+
+    reason = "lock_timeout"
+
+
+class LockLost(LockError):
+    """A held lease expired or was taken away; the holder must stop writing."""
+
+    reason = "lease_lost"
+
+
+class NotOwned(LockLost):
+    """The server says the lock belongs to someone else (or to no one)."""
+
+    reason = "not_owned"
+
+
+# --- store ---------------------------------------------------------------------
+
+
+class StoreError(ToolGuardError):
+    """The guarded store refused or failed an operation."""
+
+    reason = "store_error"
+
+
+class StaleFencingToken(StoreError):
+    """The store has already seen a newer token for the key: the write is refused."""
+
+    reason = "stale_fencing_token"
+
+    def __init__(self, message: str, *, key: str = "", token: int | None = None,
+                 current: int | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.token = token
+        self.current = current
+
+
+class IdempotencyConflict(StoreError):
+    """The idempotency key was already used with different arguments."""
+
+    reason = "idempotency_conflict"
+
+
+class DuplicateIntent(StoreError):
+    """The intent already ran; ``result`` holds what it recorded."""
+
+    reason = "duplicate"
+
+    def __init__(self, message: str, *, result: object = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+# --- policy and intents -----------------------------------------------------------
+
+
+class PolicyError(ToolGuardError):
+    """A policy file or object is invalid; the message names file, line and field."""
+
+    reason = "invalid_policy"
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None):
+        where = f"{file}:{line}: " if file and line else (f"{file}: " if file else "")
+        super().__init__(f"{where}{message}")
+        self.file = file
+        self.line = line
+
+
+class IntentRejected(ToolGuardError):
+    """The guard refused an intent before it touched anything."""
+
+    reason = "rejected"
+
+
+class InvalidArguments(IntentRejected):
+    reason = "invalid_arguments"
+
+
+class NotAuthorized(IntentRejected):
+    reason = "not_authorized"
+
+
+class UnknownTool(IntentRejected):
+    reason = "unknown_tool"
+
+
+class OutOfOrder(IntentRejected):
+    reason = "out_of_order"

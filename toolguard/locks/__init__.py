@@ -1,0 +1,107 @@
+"""Fenced distributed locks: one contract, several backends, sync and asyncio.
+
+>>> from toolguard.locks import connect
+>>> locks = connect("redis://127.0.0.1:6379/0")       # or "sqlite:///path/to.db"
+>>> with locks.acquire(["lead:1", "lead:2"], ttl_ms=10_000, timeout_s=5) as lease:
+...     lease.tokens        # {"lead:1": 17..., "lead:2": 17...}: pass them to the store
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlparse
+
+from toolguard.errors import ConfigurationError, LockError, LockLost, LockTimeout, NotOwned
+from toolguard.locks.base import AsyncLockBackend, Attempt, BackendInfo, LockBackend
+from toolguard.locks.lease import Lease, heartbeat
+from toolguard.locks.manager import AsyncLockManager, LockManager
+
+__all__ = [
+    "AsyncLockBackend",
+    "AsyncLockManager",
+    "Attempt",
+    "BackendInfo",
+    "Lease",
+    "LockBackend",
+    "LockError",
+    "LockLost",
+    "LockManager",
+    "LockTimeout",
+    "NotOwned",
+    "connect",
+    "connect_async",
+    "heartbeat",
+    "open_backend",
+    "sqlite_path",
+]
+
+SCHEMES = ("redis", "rediss", "unix", "sqlite")
+
+
+def sqlite_path(url: str) -> str:
+    """``sqlite:///rel.db`` is relative, ``sqlite:////abs/x.db`` absolute (as in SQLAlchemy)."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or len(url) == len(prefix):
+        msg = f"a SQLite URL looks like sqlite:///relative.db or sqlite:////abs/path.db, got {url!r}"
+        raise ConfigurationError(msg)
+    return url[len(prefix):]
+
+
+def open_backend(url: str, **options: Any) -> LockBackend:
+    """The sync backend for ``url``, chosen by scheme."""
+    scheme = urlparse(url).scheme
+    if scheme in ("redis", "rediss", "unix"):
+        from toolguard.locks.redis import RedisBackend
+
+        return RedisBackend(url, **options)
+    if scheme == "sqlite":
+        from toolguard.locks.sqlite import SqliteBackend
+
+        return SqliteBackend(sqlite_path(url), **options)
+    msg = f"unknown lock backend URL scheme {scheme!r} in {url!r}; expected one of {SCHEMES}"
+    raise ConfigurationError(msg)
+
+
+def _async_backend(url: str, sync: LockBackend, **options: Any) -> AsyncLockBackend:
+    scheme = urlparse(url).scheme
+    if scheme in ("redis", "rediss", "unix"):
+        from toolguard.locks.redis import AsyncRedisBackend
+
+        return AsyncRedisBackend(url, **options)
+    from toolguard.locks.sqlite import AsyncSqliteBackend, SqliteBackend
+
+    assert isinstance(sync, SqliteBackend)
+    return AsyncSqliteBackend(sync)
+
+
+def connect(url: str | None = None, **options: Any) -> LockManager:
+    """A ``LockManager`` for ``url`` (default: settings, i.e. the embedded SQLite file)."""
+    backend_options, manager_options = _split(options)
+    if url is None:
+        from toolguard.config import Settings
+
+        settings = Settings()
+        url = settings.resolved_lock_url()
+        manager_options.setdefault("ttl_ms", settings.ttl_ms)
+        manager_options.setdefault("timeout_s", settings.wait_timeout_s)
+    return LockManager(open_backend(url, **backend_options), **manager_options)
+
+
+def connect_async(url: str | None = None, **options: Any) -> AsyncLockManager:
+    """An ``AsyncLockManager`` for ``url``; renewals share the process heartbeat."""
+    backend_options, manager_options = _split(options)
+    if url is None:
+        from toolguard.config import Settings
+
+        url = Settings().resolved_lock_url()
+    sync = open_backend(url, **backend_options)
+    return AsyncLockManager(_async_backend(url, sync, **backend_options), sync, **manager_options)
+
+
+_MANAGER_OPTIONS = {"ttl_ms", "timeout_s", "round_wait_s", "backoff_base_s", "backoff_cap_s"}
+
+
+def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    manager = {k: v for k, v in options.items() if k in _MANAGER_OPTIONS}
+    backend = {k: v for k, v in options.items() if k not in _MANAGER_OPTIONS}
+    return backend, manager

@@ -1,0 +1,224 @@
+"""Leases and the one renewal loop that keeps every lease of a process alive."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from toolguard.errors import BackendUnavailable, LockLost, NotOwned
+
+if TYPE_CHECKING:
+    from toolguard.locks.base import LockBackend
+
+__all__ = ["Heartbeat", "Lease", "heartbeat"]
+
+log = logging.getLogger("toolguard.locks")
+
+#: Renew when a third of the TTL has passed: two more tries fit before expiry.
+RENEW_FRACTION = 1 / 3
+#: Local deadline safety margin against clock-rate drift between client and server.
+DRIFT_FRACTION = 0.02
+
+
+class Lease:
+    """Proof of holding one or more lock keys, with the fencing token of each.
+
+    ``lost`` turns true (and ``lost_event`` is set) the moment the process
+    learns the lease is gone: the server said "not yours", or renewals failed
+    until the local deadline passed. Call ``check()`` before a side effect that
+    cannot check tokens itself; pass ``tokens`` to one that can.
+    """
+
+    def __init__(
+        self,
+        *,
+        keys: tuple[str, ...],
+        tokens: Mapping[str, int],
+        owner: str,
+        ttl_ms: int,
+        acquired_at: float,
+        backend: LockBackend,
+        releaser: Any,
+    ) -> None:
+        self.keys = keys
+        self.tokens: Mapping[str, int] = MappingProxyType(dict(tokens))
+        self.owner = owner
+        self.ttl_ms = ttl_ms
+        self.acquired_at = acquired_at
+        self.deadline = acquired_at + ttl_ms / 1000 * (1 - DRIFT_FRACTION)
+        self.lost_event = threading.Event()
+        self.lost_reason: LockLost | None = None
+        self.released = False
+        self._backend = backend
+        self._releaser = releaser
+        self._callbacks: list[Callable[[Lease], None]] = []
+        self._lock = threading.Lock()
+        self._renewed_at = acquired_at
+
+    # --- state ------------------------------------------------------------------
+
+    @property
+    def token(self) -> int:
+        """The token of a single-key lease (the highest one for a multi-key lease)."""
+        return max(self.tokens.values())
+
+    @property
+    def lost(self) -> bool:
+        if not self.lost_event.is_set() and not self.released and time.monotonic() > self.deadline:
+            self.mark_lost(LockLost(f"lease on {', '.join(self.keys)} expired locally",
+                                   keys=self.keys))
+        return self.lost_event.is_set()
+
+    def check(self) -> None:
+        """Raise ``LockLost`` if the lease is no longer safe to act under."""
+        if self.lost:
+            assert self.lost_reason is not None
+            raise self.lost_reason
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def on_lost(self, callback: Callable[[Lease], None]) -> None:
+        """Call ``callback(lease)`` once, from the renewal thread, when the lease is lost."""
+        with self._lock:
+            if not self.lost_event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def mark_lost(self, error: LockLost) -> None:
+        with self._lock:
+            if self.lost_event.is_set() or self.released:
+                return
+            self.lost_reason = error
+            self.lost_event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        log.warning("lease lost: %s", error)
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # a broken callback must not stop the renewal loop
+                log.exception("lease-lost callback failed")
+
+    # --- release ----------------------------------------------------------------
+
+    def release(self) -> None:
+        """Release every key; idempotent, never raises for an already-expired lease."""
+        self._releaser.release(self)
+
+    async def arelease(self) -> None:
+        await self._releaser.arelease(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost_event.is_set() else ("released" if self.released else "held")
+        return f"Lease(keys={list(self.keys)}, tokens={dict(self.tokens)}, {state})"
+
+
+class Heartbeat:
+    """One daemon thread per process renewing every held lease, batched per backend."""
+
+    def __init__(self) -> None:
+        self._leases: dict[int, Lease] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def add(self, lease: Lease) -> None:
+        with self._cond:
+            self._leases[id(lease)] = lease
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="toolguard-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, lease: Lease) -> None:
+        with self._cond:
+            self._leases.pop(id(lease), None)
+
+    def held(self) -> list[Lease]:
+        with self._cond:
+            return list(self._leases.values())
+
+    def _due_at(self, lease: Lease) -> float:
+        return lease._renewed_at + lease.ttl_ms / 1000 * RENEW_FRACTION
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                leases = list(self._leases.values())
+                due = [lease for lease in leases if self._due_at(lease) <= now]
+                if not due:
+                    wake = min((self._due_at(lease) for lease in leases), default=now + 1.0)
+                    self._cond.wait(timeout=max(0.001, wake - now))
+                    continue
+            self._renew(due)
+
+    def _renew(self, due: list[Lease]) -> None:
+        by_backend: dict[int, list[Lease]] = {}
+        for lease in due:
+            by_backend.setdefault(id(lease._backend), []).append(lease)
+        for group in by_backend.values():
+            backend = group[0]._backend
+            sent_at = time.monotonic()
+            held = [(key, lease.owner, lease.ttl_ms) for lease in group for key in lease.keys]
+            try:
+                owned = backend.renew(held)
+            except (BackendUnavailable, OSError) as error:
+                self._retry_later(group, sent_at, error)
+                continue
+            except Exception as error:  # an unexpected error is as unknown as a transport one
+                log.exception("renewal failed")
+                self._retry_later(group, sent_at, error)
+                continue
+            position = 0
+            for lease in group:
+                results = owned[position:position + len(lease.keys)]
+                position += len(lease.keys)
+                if all(results):
+                    lease._renewed_at = sent_at
+                    lease.deadline = sent_at + lease.ttl_ms / 1000 * (1 - DRIFT_FRACTION)
+                else:
+                    gone = [k for k, ok in zip(lease.keys, results, strict=True) if not ok]
+                    lease.mark_lost(NotOwned(f"lock {', '.join(gone)} is no longer held by this "
+                                             "lease (expired or taken)", keys=gone))
+                    self.remove(lease)
+
+    def _retry_later(self, group: list[Lease], sent_at: float, error: BaseException) -> None:
+        """Transient failure: try again soon, until the lease's local deadline passes."""
+        for lease in group:
+            if time.monotonic() >= lease.deadline:
+                lease.mark_lost(LockLost(f"could not renew {', '.join(lease.keys)} before its "
+                                         f"deadline: {error}", keys=lease.keys))
+                self.remove(lease)
+            else:
+                retry_in = min(lease.ttl_ms / 1000 / 10, max(0.0, lease.deadline - sent_at) / 2)
+                lease._renewed_at = time.monotonic() + retry_in - lease.ttl_ms / 1000 * RENEW_FRACTION
+
+
+_heartbeat = Heartbeat()
+
+
+def heartbeat() -> Heartbeat:
+    """The process-wide renewal loop (a fresh one in a forked child)."""
+    return _heartbeat
+
+
+def _reset_after_fork() -> None:
+    global _heartbeat
+    _heartbeat = Heartbeat()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

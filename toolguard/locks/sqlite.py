@@ -1,0 +1,267 @@
+"""SQLite backend: the embedded default, shared by every process on one machine.
+
+Each operation is one ``BEGIN IMMEDIATE`` transaction on a WAL database, so the
+grant and the token are one atomic step here too. Waiters are woken by the
+releaser, which hands the lock over in its own transaction and then sends the
+new token as a datagram to the waiter's socket (Linux abstract namespace: no
+files to clean up); a bounded poll covers a holder that crashed. Tokens use the
+same hybrid clock as the Redis backend, and the fence rows are durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sqlite3
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from toolguard.errors import BackendUnavailable
+from toolguard.locks.base import Attempt, BackendInfo, owner_ttl_ms
+
+__all__ = ["AsyncSqliteBackend", "SqliteBackend"]
+
+INFO = BackendInfo(
+    name="sqlite",
+    durable_tokens=True,
+    server_wakeup=sys.platform.startswith("linux"),
+    fair=True,
+    note="one machine only; processes share the database file",
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tg_lock (
+    key TEXT PRIMARY KEY, owner TEXT NOT NULL, token INTEGER NOT NULL,
+    expires_us INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tg_lock_fence (
+    key TEXT PRIMARY KEY, token INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tg_lock_waiter (
+    key TEXT NOT NULL, owner TEXT NOT NULL, arrived_us INTEGER NOT NULL,
+    present_until_us INTEGER NOT NULL, wake TEXT, PRIMARY KEY (key, owner));
+CREATE INDEX IF NOT EXISTS tg_lock_waiter_order ON tg_lock_waiter (key, arrived_us);
+"""
+
+WAKE_SUPPORTED = sys.platform.startswith("linux")
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class SqliteBackend:
+    """Locks in a SQLite file; one connection per thread, opened lazily."""
+
+    info = INFO
+
+    def __init__(self, path: str | os.PathLike[str] = "toolguard.db", *,
+                 presence_ms: int = 2_000, busy_timeout_ms: int = 30_000) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.presence_ms = presence_ms
+        self.busy_timeout_ms = busy_timeout_ms
+        self._local = threading.local()
+        self._sockets: dict[str, socket.socket] = {}
+        self._sockets_lock = threading.Lock()
+        try:
+            self._connection().executescript(SCHEMA)
+        except sqlite3.Error as error:
+            raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None or getattr(self._local, "pid", None) != os.getpid():
+            db = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
+                                 isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
+            self._local.pid = os.getpid()
+        return db
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        try:
+            db = self._connection()
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as error:
+            raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        else:
+            db.execute("COMMIT")
+
+    def _wake_address(self, owner: str) -> str:
+        return f"\0toolguard-{os.getpid()}-{owner}"
+
+    def _listen(self, owner: str) -> str | None:
+        if not WAKE_SUPPORTED:
+            return None
+        address = self._wake_address(owner)
+        with self._sockets_lock:
+            if owner not in self._sockets:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                sock.bind(address)
+                self._sockets[owner] = sock
+        return address
+
+    def _forget(self, owner: str) -> None:
+        with self._sockets_lock:
+            sock = self._sockets.pop(owner, None)
+        if sock is not None:
+            sock.close()
+
+    @staticmethod
+    def _mint(db: sqlite3.Connection, key: str, now_us: int) -> int:
+        row = db.execute("SELECT token FROM tg_lock_fence WHERE key = ?", (key,)).fetchone()
+        token = max((row[0] if row else 0) + 1, now_us)
+        db.execute("INSERT INTO tg_lock_fence (key, token) VALUES (?, ?) "
+                   "ON CONFLICT (key) DO UPDATE SET token = excluded.token", (key, token))
+        return token
+
+    # --- the protocol ----------------------------------------------------------------
+
+    def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
+        with self._transaction() as db:
+            now = _now_us()
+            row = db.execute("SELECT owner, token, expires_us FROM tg_lock WHERE key = ?",
+                             (key,)).fetchone()
+            if row and row[0] == owner and row[2] > now:
+                self._forget(owner)
+                return Attempt(token=row[1])
+            if row and row[2] > now:
+                return self._enqueue(db, key, owner, now, retry_us=row[2] - now)
+            db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND present_until_us < ?",
+                       (key, now))
+            head = db.execute("SELECT owner FROM tg_lock_waiter WHERE key = ? "
+                              "ORDER BY arrived_us, owner LIMIT 1", (key,)).fetchone()
+            if head and head[0] != owner:
+                return self._enqueue(db, key, owner, now, retry_us=0)
+            token = self._mint(db, key, now)
+            db.execute("INSERT INTO tg_lock (key, owner, token, expires_us) VALUES (?, ?, ?, ?) "
+                       "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, "
+                       "token = excluded.token, expires_us = excluded.expires_us",
+                       (key, owner, token, now + ttl_ms * 1000))
+            if head:
+                db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, owner))
+        self._forget(owner)
+        return Attempt(token=token)
+
+    def _enqueue(self, db: sqlite3.Connection, key: str, owner: str, now: int,
+                 retry_us: int) -> Attempt:
+        wake = self._listen(owner)
+        db.execute("INSERT INTO tg_lock_waiter (key, owner, arrived_us, present_until_us, wake) "
+                   "VALUES (?, ?, ?, ?, ?) ON CONFLICT (key, owner) "
+                   "DO UPDATE SET present_until_us = excluded.present_until_us",
+                   (key, owner, now, now + self.presence_ms * 1000, wake))
+        return Attempt(token=None, retry_ms=max(1, retry_us // 1000))
+
+    def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
+        with self._sockets_lock:
+            sock = self._sockets.get(owner)
+        if sock is None:
+            time.sleep(timeout_s)
+            return None
+        sock.settimeout(max(timeout_s, 0.001))
+        try:
+            data = sock.recv(64)
+        except (TimeoutError, OSError):
+            return None
+        self._forget(owner)
+        return int(data)
+
+    def release(self, key: str, owner: str) -> bool:
+        wake: tuple[str, int] | None = None
+        with self._transaction() as db:
+            db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, owner))
+            held = db.execute("DELETE FROM tg_lock WHERE key = ? AND owner = ?",
+                              (key, owner)).rowcount > 0
+            if held:
+                wake = self._hand_off(db, key)
+        self._forget(owner)
+        if wake is not None and wake[0]:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, \
+                    contextlib.suppress(OSError):  # the waiter left: it will find the grant
+                sock.sendto(str(wake[1]).encode(), wake[0])
+        return held
+
+    def _hand_off(self, db: sqlite3.Connection, key: str) -> tuple[str, int] | None:
+        now = _now_us()
+        db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND present_until_us < ?", (key, now))
+        head = db.execute("SELECT owner, wake FROM tg_lock_waiter WHERE key = ? "
+                          "ORDER BY arrived_us, owner LIMIT 1", (key,)).fetchone()
+        if head is None:
+            return None
+        next_owner, wake = head
+        token = self._mint(db, key, now)
+        db.execute("INSERT INTO tg_lock (key, owner, token, expires_us) VALUES (?, ?, ?, ?)",
+                   (key, next_owner, token, now + owner_ttl_ms(next_owner) * 1000))
+        db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, next_owner))
+        return (wake or "", token)
+
+    def renew(self, held: Sequence[tuple[str, str, int]]) -> list[bool]:
+        with self._transaction() as db:
+            now = _now_us()
+            return [
+                db.execute("UPDATE tg_lock SET expires_us = ? WHERE key = ? AND owner = ? "
+                           "AND expires_us > ?", (now + ttl_ms * 1000, key, owner, now)).rowcount > 0
+                for key, owner, ttl_ms in held
+            ]
+
+    def raise_floor(self, key: str, token: int) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT INTO tg_lock_fence (key, token) VALUES (?, ?) ON CONFLICT (key) "
+                       "DO UPDATE SET token = max(token, excluded.token)", (key, token))
+
+    def current_token(self, key: str) -> int:
+        row = self._connection().execute("SELECT token FROM tg_lock_fence WHERE key = ?",
+                                         (key,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+        with self._sockets_lock:
+            for sock in self._sockets.values():
+                sock.close()
+            self._sockets.clear()
+
+
+class AsyncSqliteBackend:
+    """The asyncio face of ``SqliteBackend``: each step runs in a worker thread."""
+
+    info = INFO
+
+    def __init__(self, sync: SqliteBackend) -> None:
+        self.sync = sync
+
+    async def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
+        return await asyncio.to_thread(self.sync.try_acquire, key, owner, ttl_ms)
+
+    async def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
+        return await asyncio.to_thread(self.sync.wait, key, owner, timeout_s)
+
+    async def release(self, key: str, owner: str) -> bool:
+        return await asyncio.to_thread(self.sync.release, key, owner)
+
+    async def raise_floor(self, key: str, token: int) -> None:
+        await asyncio.to_thread(self.sync.raise_floor, key, token)
+
+    async def aclose(self) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sync, name)
