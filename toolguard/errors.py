@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "AuditAppendOnly",
     "BackendUnavailable",
     "ConfigurationError",
     "DuplicateIntent",
     "IdempotencyConflict",
     "IntentRejected",
     "InvalidArguments",
+    "InvalidFencingToken",
     "LockError",
     "LockLost",
     "LockTimeout",
@@ -23,6 +25,8 @@ __all__ = [
     "NotOwned",
     "OutOfOrder",
     "PolicyError",
+    "PolicyProblems",
+    "RecordNotFound",
     "StaleFencingToken",
     "StoreError",
     "ToolGuardError",
@@ -126,6 +130,24 @@ class DuplicateIntent(StoreError):
         self.result = result
 
 
+class InvalidFencingToken(StoreError):
+    """A fenced write came with no usable token (NULL, not a positive integer) or no key."""
+
+    reason = "invalid_fencing_token"
+
+
+class RecordNotFound(StoreError):
+    """A fenced mutation named a row that does not exist: an error, never a silent no-op."""
+
+    reason = "not_found"
+
+
+class AuditAppendOnly(StoreError):
+    """Something tried to change or delete audit rows; the database refused."""
+
+    reason = "audit_append_only"
+
+
 # --- policy and intents -----------------------------------------------------------
 
 
@@ -139,6 +161,23 @@ class PolicyError(ToolGuardError):
         super().__init__(f"{where}{message}")
         self.file = file
         self.line = line
+
+
+class PolicyProblems(PolicyError):
+    """Several things are wrong with a policy; ``problems`` lists each with its file:line.
+
+    The message is the first problem (and how many more), so a traceback stays
+    readable; ``toolguard policy check`` prints them all.
+    """
+
+    def __init__(self, problems: Iterable[object]) -> None:
+        found = tuple(problems)
+        first = found[0] if found else "invalid policy"
+        extra = len(found) - 1
+        more = f" (and {extra} more problem{'s' if extra > 1 else ''})" if extra > 0 else ""
+        super().__init__(f"{getattr(first, 'message', first)}{more}",
+                         file=getattr(first, "file", None), line=getattr(first, "line", None))
+        self.problems = found
 
 
 class IntentRejected(ToolGuardError):

@@ -1,0 +1,1 @@
+"""Policy, intent and key-template tests (a package so module names never clash)."""

@@ -1,0 +1,239 @@
+"""An LLM tool call as an untrusted intent, its idempotency key and its input limits.
+
+Nothing in an ``Intent`` is trusted: the tool name, the arguments, even the call
+id come from a model's output. The guard only acts on what it derived itself:
+arguments that passed ``check_limits`` and then the tool's strict schema
+(``toolguard.policies.validate_args``), and keys rendered from those.
+
+This module is pure: no I/O, no clock, nothing that differs between the sync
+and the async path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+from urllib.parse import quote
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic_core import to_jsonable_python
+
+from toolguard.errors import InvalidArguments
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "IdempotencyKeyFn",
+    "Intent",
+    "Limits",
+    "WorkflowIdentity",
+    "args_hash",
+    "canonical_json",
+    "check_limits",
+    "default_idempotency_key",
+    "json_args",
+]
+
+#: ``(intent) -> key``; ``None`` means "no stable identity", see ``default_idempotency_key``.
+IdempotencyKeyFn = Callable[["Intent"], "str | None"]
+
+
+class WorkflowIdentity(BaseModel):
+    """Where the call happened; the stable parts make the default idempotency key.
+
+    Maps to LangGraph's ``runtime.execution_info``: ``thread_id`` and
+    ``checkpoint_ns`` survive interrupt/resume, ``run_id`` identifies one
+    invocation (the fallback without a checkpointer). ``checkpoint_id`` is kept
+    for the audit log only: it changes on every step.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    thread_id: str | None = None
+    checkpoint_ns: str = ""
+    checkpoint_id: str | None = None
+    run_id: str | None = None
+
+
+class Intent(BaseModel):
+    """One tool call as the model emitted it, plus who asked and where; all untrusted.
+
+    ``args`` is kept exactly as received (any JSON-ish value, possibly hostile);
+    treat it as read-only. ``id`` names this attempt in the audit log;
+    ``node_attempt`` is audited but never part of the idempotency key, since it
+    grows on retries of the same intent.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tool: str
+    args: Any = Field(default_factory=dict)
+    call_id: str | None = None
+    agent: str | None = None
+    workflow: WorkflowIdentity = Field(default_factory=WorkflowIdentity)
+    node_attempt: NonNegativeInt = 1
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+
+    @classmethod
+    def from_tool_call(cls, call: Mapping[str, Any], *, agent: str | None = None,
+                       workflow: WorkflowIdentity | None = None, node_attempt: int = 1) -> Intent:
+        """Build from a LangChain-style ``{"name", "args", "id"}`` tool call."""
+        call_id = call.get("id")
+        return cls(tool=str(call.get("name", "")), args=call.get("args", {}),
+                   call_id=None if call_id is None else str(call_id), agent=agent,
+                   workflow=workflow or WorkflowIdentity(), node_attempt=node_attempt)
+
+
+def default_idempotency_key(intent: Intent) -> str | None:
+    """``thread/checkpoint_ns/call_id``, else ``run/call_id``; ``None`` without a stable identity.
+
+    Each part is percent-encoded, so ``/`` inside an id cannot make two
+    different identities share a key. ``None`` (no call id, or neither a thread
+    nor a run) tells the guard that a retry of this call cannot be recognised:
+    it must decide whether to run without replay protection or refuse.
+    """
+    if not intent.call_id:
+        return None
+    flow = intent.workflow
+    if flow.thread_id:
+        return f"thread:{_part(flow.thread_id)}/{_part(flow.checkpoint_ns)}/{_part(intent.call_id)}"
+    if flow.run_id:
+        return f"run:{_part(flow.run_id)}/{_part(intent.call_id)}"
+    return None
+
+
+def _part(text: str) -> str:
+    return quote(text, safe="")
+
+
+# --- validated arguments: canonical form and hash ---------------------------------
+
+
+def json_args(args: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
+    """Validated arguments as plain JSON values (aliases as field names).
+
+    Keys, hashes, constraints and redaction all work on this one form, so a
+    ``UUID`` field and the string the model sent render the same way.
+    """
+    if isinstance(args, BaseModel):
+        return args.model_dump(mode="json", by_alias=True)
+    return dict(to_jsonable_python(dict(args)))
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, no spaces, UTF-8 text, no NaN: equal values give equal text."""
+    return json.dumps(to_jsonable_python(value), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False, allow_nan=False)
+
+
+def args_hash(args: BaseModel | Mapping[str, Any]) -> str:
+    """SHA-256 (hex) of the canonical JSON of *validated* arguments.
+
+    Stored with the idempotency record: the same key with another hash is a
+    conflict, not a replay.
+    """
+    return hashlib.sha256(canonical_json(json_args(args)).encode("utf-8")).hexdigest()
+
+
+# --- limits on untrusted input ---------------------------------------------------------
+
+
+class Limits(BaseModel):
+    """Bounds on raw arguments, checked before any schema sees them.
+
+    They keep a hostile or confused model from spending the guard's memory and
+    CPU (pydantic and ``json`` recurse; regexes scan whole strings).
+    ``max_string`` also bounds object keys and the digits of an integer.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_bytes: PositiveInt = 65_536
+    max_depth: PositiveInt = 8
+    max_string: PositiveInt = 4_096
+    max_items: PositiveInt = 256
+    max_keys: PositiveInt = 256
+
+
+DEFAULT_LIMITS = Limits()
+
+_LOG10_2 = math.log10(2)
+
+
+def check_limits(args: Any, limits: Limits = DEFAULT_LIMITS, *, root: str = "args") -> None:
+    """Raise ``InvalidArguments`` naming the path of the first value over a limit.
+
+    Walks iteratively (a 10,000-deep list cannot overflow the stack) and stops
+    as soon as the compact JSON size passes ``max_bytes``. Values that are not
+    JSON (bytes, NaN, lone surrogates, non-string keys) are rejected too.
+    """
+    total = 0
+    stack: list[tuple[Any, str, int]] = [(args, root, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if value is None or isinstance(value, bool):
+            total += 4 if value in (None, True) else 5
+        elif isinstance(value, int):
+            digits = int(value.bit_length() * _LOG10_2) + 1
+            if digits > limits.max_string:
+                _reject(f"{path}: integer longer than {limits.max_string} digits")
+            total += len(str(value))
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                _reject(f"{path}: not a finite number")
+            total += len(repr(value))
+        elif isinstance(value, str):
+            total += _string_size(value, path, limits, what="string")
+        elif isinstance(value, Mapping):
+            _check_depth(path, depth + 1, limits)
+            if len(value) > limits.max_keys:
+                _reject(f"{path}: more than {limits.max_keys} keys")
+            total += 2 + max(len(value) - 1, 0)
+            children = []
+            for key, child in value.items():
+                if not isinstance(key, str):
+                    _reject(f"{path}: object key of type {type(key).__name__}, expected a string")
+                total += _string_size(key, f"{path}{_key_suffix(key)}", limits, what="key") + 1
+                children.append((child, f"{path}{_key_suffix(key)}", depth + 1))
+                if total > limits.max_bytes:
+                    break
+            stack.extend(reversed(children))
+        elif isinstance(value, (list, tuple)):
+            _check_depth(path, depth + 1, limits)
+            if len(value) > limits.max_items:
+                _reject(f"{path}: more than {limits.max_items} items")
+            total += 2 + max(len(value) - 1, 0)
+            stack.extend((value[i], f"{path}[{i}]", depth + 1) for i in reversed(range(len(value))))
+        else:
+            _reject(f"{path}: {type(value).__name__} is not a JSON value")
+        if total > limits.max_bytes:
+            _reject(f"{root}: larger than {limits.max_bytes} bytes as JSON")
+
+
+def _string_size(text: str, path: str, limits: Limits, *, what: str) -> int:
+    if len(text) > limits.max_string:
+        _reject(f"{path}: {what} longer than {limits.max_string}")
+    try:
+        encoded = json.encoder.encode_basestring(text).encode("utf-8")  # type: ignore[attr-defined]
+    except UnicodeEncodeError:
+        _reject(f"{path}: {what} is not valid Unicode (lone surrogate)")
+    return len(encoded)
+
+
+def _check_depth(path: str, depth: int, limits: Limits) -> None:
+    if depth > limits.max_depth:
+        _reject(f"{path}: nested deeper than {limits.max_depth} levels")
+
+
+def _key_suffix(key: str) -> str:
+    if key.isidentifier():
+        return f".{key}"
+    shown = key if len(key) <= 40 else key[:37] + "..."
+    return f"[{json.dumps(shown)}]"
+
+
+def _reject(message: str) -> NoReturn:
+    raise InvalidArguments(message)

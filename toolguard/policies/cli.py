@@ -1,0 +1,116 @@
+"""``toolguard policy check``: validate policy files and print every problem as file:line.
+
+Exit codes: 0 clean, 1 problems found, 2 bad usage (missing file, bad
+``--tools``). Output is for people (rich), never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from toolguard.errors import PolicyProblems
+from toolguard.policies.loader import load_policy
+from toolguard.policies.model import Policy, Problem
+from toolguard.policies.schemas import schema_problems
+
+__all__ = ["load_tool_schemas", "policy_app"]
+
+policy_app = typer.Typer(name="policy", help="Check toolguard policy files.",
+                         no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+@policy_app.callback()
+def _group() -> None:
+    """Check toolguard policy files."""
+
+
+@policy_app.command("check")
+def check(
+    files: Annotated[list[Path], typer.Argument(
+        help="Policy files or folders of *.yml/*.yaml files (merged into one policy).",
+        exists=True, readable=True, show_default=False, metavar="FILE...")],
+    tools: Annotated[list[str] | None, typer.Option(
+        "--tools", metavar="MODULE:ATTR",
+        help="Where the real tools are (a dict name -> model/schema/function, or a list of "
+             "tools/functions); checks that templates and constraints name real arguments. "
+             "Repeatable.")] = None,
+    each: Annotated[bool, typer.Option(
+        "--each", help="Check every file as a policy of its own instead of merging them.")] = False,
+) -> None:
+    """Validate policy files; report each problem with file:line."""
+    console = Console(highlight=False, soft_wrap=True)
+    schemas: dict[str, Any] | None = None
+    if tools:
+        try:
+            schemas = {}
+            for spec in tools:
+                schemas.update(load_tool_schemas(spec))
+        except Exception as error:  # importing user code can raise anything: a usage error, no traceback
+            raise typer.BadParameter(f"{type(error).__name__}: {error}", param_hint="--tools") from None
+    groups = [[path] for path in files] if each else [list(files)]
+    problems: list[Problem] = []
+    checked: list[tuple[str, Policy]] = []
+    for group in groups:
+        label = ", ".join(str(path) for path in group)
+        try:
+            policy = load_policy(group)
+        except PolicyProblems as error:
+            problems.extend(p if isinstance(p, Problem) else Problem(str(p)) for p in error.problems)
+            continue
+        if schemas is not None:
+            problems.extend(schema_problems(policy, schemas, missing_ok=False))
+        checked.append((label, policy))
+    for problem in problems:
+        line = Text()
+        if problem.file:
+            line.append(f"{problem.file}:{problem.line}" if problem.line else problem.file, style="bold")
+            line.append(": ")
+        line.append("error: ", style="bold red")
+        line.append(problem.message)
+        console.print(line)
+    if problems:
+        count = len(problems)
+        console.print(Text(f"{count} problem{'s' if count != 1 else ''} found", style="red"))
+        raise typer.Exit(1)
+    for label, policy in checked:
+        tools_count = len(policy.tools)
+        console.print(Text.assemble(("ok ", "bold green"), label,
+                                    f": {tools_count} tool{'s' if tools_count != 1 else ''}"))
+
+
+def load_tool_schemas(spec: str) -> dict[str, Any]:
+    """Import ``module:attr`` and return ``{tool name: schema source}``.
+
+    ``attr`` may be a mapping (name -> pydantic model, JSON schema or
+    function), or a list of LangChain-like tools (``.name``) and functions.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        msg = f"expected MODULE:ATTR, got {spec!r}"
+        raise ValueError(msg)
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # like `python -m`: modules in the current folder
+    target: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    if isinstance(target, Mapping):
+        return {str(name): value for name, value in target.items()}
+    if isinstance(target, Iterable) and not isinstance(target, (str, bytes)):
+        out: dict[str, Any] = {}
+        for item in target:
+            name = getattr(item, "name", None) or getattr(item, "__name__", None)
+            if not isinstance(name, str):
+                msg = f"{spec}: cannot tell the name of {item!r}"
+                raise TypeError(msg)
+            out[name] = item
+        return out
+    msg = f"{spec} is neither a mapping of tool names nor a list of tools"
+    raise TypeError(msg)

@@ -1,0 +1,316 @@
+"""Load policies from YAML files with file:line for every problem.
+
+PyYAML's node tree (``compose``) keeps the line of every mapping key; the
+loader builds plain data and a map from field path to line side by side, and
+translates pydantic's error locations through that map.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from toolguard.errors import PolicyProblems
+from toolguard.intent import IdempotencyKeyFn
+from toolguard.policies.model import ArgConstraint, Location, Policy, Problem, dotted, locate
+
+__all__ = ["build_policy", "load_policy", "policy_files", "read_policy_data"]
+
+PathLike = str | os.PathLike[str]
+Locations = dict[tuple[str | int, ...], Location]
+_SUFFIXES = (".yml", ".yaml")
+_MAX_ERRORS_PER_FIELD = 3
+_PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
+#: Spellings from JSON Schema, pydantic v1 and habit, mapped to the constraint they mean.
+_CONSTRAINT_ALIASES = {
+    "gte": "ge", "lte": "le", "min": "ge", "max": "le", "minimum": "ge", "maximum": "le",
+    "exclusiveMinimum": "gt", "exclusiveMaximum": "lt", "minLength": "min_length",
+    "maxLength": "max_length", "minItems": "min_items", "maxItems": "max_items", "regex": "pattern",
+    "min_len": "min_length", "max_len": "max_length", "one_of": "enum", "in": "enum",
+}
+
+
+def load_policy(paths: PathLike | Iterable[PathLike], *,
+                key_fn: IdempotencyKeyFn | None = None) -> Policy:
+    """Load one YAML file, a folder of ``*.yml``/``*.yaml`` files, or several of either.
+
+    Files are merged into one policy: ``tools`` and ``agents`` are combined; a
+    tool (or ``defaults``) defined in two places is an error naming both.
+    Raise ``PolicyProblems`` (a ``PolicyError``) with file:line for each problem.
+    """
+    data, locations = read_policy_data(paths)
+    return build_policy(data, locations, key_fn=key_fn)
+
+
+def policy_files(paths: PathLike | Iterable[PathLike]) -> list[Path]:
+    """The files ``paths`` names: files as given, folders as their sorted YAML files (not recursive)."""
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    files: list[Path] = []
+    for item in items:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix in _SUFFIXES and p.is_file())
+            if not found:
+                raise PolicyProblems([Problem("no *.yml or *.yaml policy files in this folder",
+                                              str(path))])
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise PolicyProblems([Problem("no such policy file or folder", str(path))])
+    if not files:
+        raise PolicyProblems([Problem("no policy files given")])
+    return files
+
+
+def read_policy_data(paths: PathLike | Iterable[PathLike]) -> tuple[dict[str, Any], Locations]:
+    """Parse and merge the files into plain data plus the location of every field."""
+    merged: dict[str, Any] = {}
+    locations: Locations = {}
+    problems: list[Problem] = []
+    for file in policy_files(paths):
+        try:
+            data, where = _parse(file.read_text(encoding="utf-8"), str(file))
+        except PolicyProblems as error:
+            problems.extend(error.problems)  # type: ignore[arg-type]
+            continue
+        except (OSError, UnicodeDecodeError) as error:
+            problems.append(Problem(f"cannot read the file: {error}", str(file)))
+            continue
+        problems.extend(_merge(merged, locations, data, where, str(file)))
+    if problems:
+        raise PolicyProblems(problems)
+    return merged, locations
+
+
+def build_policy(data: Mapping[str, Any], locations: Locations | None = None, *,
+                 key_fn: IdempotencyKeyFn | None = None) -> Policy:
+    """Validate plain data into a ``Policy``; every problem becomes a located ``Problem``."""
+    try:
+        policy = Policy.model_validate(data, context={"locations": locations or {}})
+    except ValidationError as error:
+        raise PolicyProblems(validation_problems(error, locations)) from None
+    return policy.with_key_fn(key_fn) if key_fn is not None else policy
+
+
+def validation_problems(error: ValidationError, locations: Mapping[tuple[str | int, ...], Location] | None
+                        ) -> list[Problem]:
+    """pydantic's errors as located, readable problems (never echoing input values)."""
+    problems: list[Problem] = []
+    per_field: dict[tuple[str | int, ...], int] = {}
+    for item in error.errors(include_url=False, include_input=False):
+        loc = tuple(part for part in item["loc"] if part != "[key]")
+        per_field[loc[:3]] = per_field.get(loc[:3], 0) + 1
+        if per_field[loc[:3]] > _MAX_ERRORS_PER_FIELD:
+            continue
+        where = locate(locations, loc)
+        message = _message(item["type"], loc, item["msg"])
+        problems.append(Problem(f"{dotted(loc)}: {message}" if loc else message, where.file, where.line))
+    return problems
+
+
+# --- YAML with lines -------------------------------------------------------------------
+
+
+def _parse(text: str, file: str) -> tuple[Any, Locations]:
+    """YAML text -> (data, {path: Location}); duplicate keys and bad YAML are problems."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        what = " ".join(part for part in (error.context, error.problem) if part)
+        raise PolicyProblems([Problem(f"invalid YAML: {what}", file,
+                                      mark.line + 1 if mark else None)]) from None
+    except yaml.YAMLError as error:
+        raise PolicyProblems([Problem(f"invalid YAML: {error}", file)]) from None
+    finally:
+        loader.dispose()
+    if root is None:
+        raise PolicyProblems([Problem("the file is empty; a policy starts with 'version: 1'", file, 1)])
+    builder = _Builder(loader, file)
+    try:
+        data = builder.build(root, ())
+    except yaml.MarkedYAMLError as error:  # e.g. an unknown !tag
+        mark = error.problem_mark
+        raise PolicyProblems([Problem(f"invalid YAML: {error.problem}", file,
+                                      mark.line + 1 if mark else None)]) from None
+    if builder.problems:
+        raise PolicyProblems(builder.problems)
+    if not isinstance(data, dict):
+        raise PolicyProblems([Problem("a policy file is a mapping with version:, tools: ...", file,
+                                      root.start_mark.line + 1)])
+    return data, builder.locations
+
+
+class _Builder:
+    """Turns composed YAML nodes into data, recording the line of every key and item."""
+
+    def __init__(self, loader: yaml.SafeLoader, file: str) -> None:
+        self.loader = loader
+        self.file = file
+        self.locations: Locations = {(): Location(file, 1)}
+        self.problems: list[Problem] = []
+        self.done: dict[int, Any] = {}  # node id -> value: aliases are built once, not expanded
+
+    def build(self, node: yaml.Node, path: tuple[str | int, ...]) -> Any:
+        if id(node) in self.done:
+            return self.done[id(node)]
+        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and node.tag not in _PLAIN_TAGS:
+            where = dotted(path) or "top level"
+            self.problems.append(Problem(f"{where}: invalid YAML: unsupported tag {node.tag!r}",
+                                         self.file, node.start_mark.line + 1))
+            return None
+        if isinstance(node, yaml.MappingNode):
+            self.loader.flatten_mapping(node)  # resolves "<<" merge keys
+            value: Any = {}
+            self.done[id(node)] = value
+            for key_node, value_node in node.value:
+                line = key_node.start_mark.line + 1
+                key = self.loader.construct_object(key_node, deep=True)
+                if not isinstance(key, str):
+                    self.problems.append(Problem(
+                        f"{dotted(path) or 'top level'}: key {key!r} is not a string; quote it "
+                        f"(YAML reads yes/no/on/off as booleans)", self.file, line))
+                    continue
+                if key in value:
+                    first = self.locations[(*path, key)].line
+                    self.problems.append(Problem(
+                        f"{dotted((*path, key))}: defined twice (first at line {first})", self.file, line))
+                    continue
+                self.locations[(*path, key)] = Location(self.file, line)
+                value[key] = self.build(value_node, (*path, key))
+            return value
+        if isinstance(node, yaml.SequenceNode):
+            items: list[Any] = []
+            self.done[id(node)] = items
+            for index, item in enumerate(node.value):
+                self.locations[(*path, index)] = Location(self.file, item.start_mark.line + 1)
+                items.append(self.build(item, (*path, index)))
+            return items
+        return self.loader.construct_object(node, deep=True)
+
+
+def _merge(merged: dict[str, Any], locations: Locations, data: dict[str, Any], where: Locations,
+           file: str) -> list[Problem]:
+    """Fold one file into the merged data; return what conflicts."""
+    problems: list[Problem] = []
+
+    def at(path: tuple[str | int, ...]) -> Location:
+        return locate(where, path)
+
+    if "version" not in data:
+        problems.append(Problem("missing 'version: 1' (every policy file states its version)", file, 1))
+    elif data["version"] != 1:
+        problems.append(Problem(f"version: unsupported policy version {data['version']!r}; "
+                                f"this toolguard reads version 1", file, at(("version",)).line))
+    else:
+        merged["version"] = 1
+        locations.setdefault(("version",), at(("version",)))
+    for key, value in data.items():
+        if key == "version":
+            continue
+        if key == "tools" and isinstance(value, Mapping) and isinstance(merged.get("tools", {}), dict):
+            tools = merged.setdefault("tools", {})
+            locations.setdefault(("tools",), at(("tools",)))
+            for name, rule in value.items():
+                if name in tools:
+                    first = locations[("tools", name)]
+                    problems.append(Problem(f"tools.{name}: defined twice (first at {first})",
+                                            file, at(("tools", name)).line))
+                    continue
+                tools[name] = rule
+                _copy_locations(where, locations, ("tools", name))
+        elif key == "agents" and isinstance(value, list) and isinstance(merged.get("agents", []), list):
+            known = merged.setdefault("agents", [])
+            locations.setdefault(("agents",), at(("agents",)))
+            for index, agent in enumerate(value):
+                locations[("agents", len(known))] = at(("agents", index))
+                known.append(agent)
+        elif key in merged:
+            first = locations[(key,)]
+            problems.append(Problem(f"{key}: defined twice (first at {first})", file, at((key,)).line))
+        else:
+            merged[key] = value
+            _copy_locations(where, locations, (key,))
+    return problems
+
+
+def _copy_locations(source: Locations, target: Locations, prefix: tuple[str | int, ...]) -> None:
+    n = len(prefix)
+    for path, location in source.items():
+        if path[:n] == prefix:
+            target[path] = location
+
+
+# --- readable pydantic errors ------------------------------------------------------
+
+
+def _message(kind: str, loc: tuple[str | int, ...], text: str) -> str:
+    if kind == "extra_forbidden":
+        name = str(loc[-1])
+        allowed = _fields_at(loc[:-1])
+        if allowed is None:
+            return f"unknown field {name!r}"
+        allowed_text = ", ".join(sorted(allowed))
+        is_constraint = _model_at(loc[:-1]) is ArgConstraint
+        close = ([_CONSTRAINT_ALIASES[name]] if is_constraint and name in _CONSTRAINT_ALIASES
+                 else difflib.get_close_matches(name, allowed, n=1))
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        noun = "constraint" if is_constraint else "field"
+        return f"unknown {noun} {name!r}{hint}; known: {allowed_text}"
+    if kind == "missing":
+        return "required field missing"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return "expected a mapping (key: value pairs)"
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
+def _fields_at(loc: tuple[str | int, ...]) -> list[str] | None:
+    model = _model_at(loc)
+    if model is None:
+        return None
+    names = [name for name in model.model_fields if not name.startswith("_")]
+    return [*names, "choices"] if model is ArgConstraint else names
+
+
+def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The model whose fields live at ``loc`` (walks annotations: dict values, tuples, Optional)."""
+    current: Any = Policy
+    parts = list(loc)
+    while parts:
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(parts.pop(0)))
+            if field is None:
+                return None
+            current = field.annotation
+            continue
+        origin, args = typing.get_origin(current), typing.get_args(current)
+        if origin is dict and len(args) == 2:
+            parts.pop(0)
+            current = args[1]
+        elif origin is tuple and args:
+            parts.pop(0)
+            current = args[0]
+        elif args:  # Optional / Union: the model branch
+            models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+            if not models:
+                return None
+            current = models[0]
+        else:
+            return None
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return current
+    args = typing.get_args(current)
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if models else None
