@@ -1,7 +1,9 @@
 """One settings object: ``TOOLGUARD_*`` environment variables, overridable in code.
 
-With nothing set, locks and store both live in one embedded SQLite file, so the
-demo and the quick start need no server.
+With nothing set, locks and store live in two embedded SQLite files under
+``./.toolguard/``, so the demo and the quick start need no server. They are two
+files on purpose: SQLite has one writer per file, and a fenced transaction that
+holds the store's write lock must never stall lease renewals.
 """
 
 from __future__ import annotations
@@ -11,11 +13,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "default_sqlite_path"]
-
-
-def default_sqlite_path() -> Path:
-    return Path.cwd() / ".toolguard" / "toolguard.db"
+__all__ = ["Settings"]
 
 
 class Settings(BaseSettings):
@@ -30,7 +28,8 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     database_url: str | None = Field(
         default=None, description="PostgreSQL URL for the guarded store; else embedded SQLite.")
-    sqlite_path: Path = Field(default_factory=default_sqlite_path)
+    home: Path = Field(default_factory=lambda: Path.cwd() / ".toolguard",
+                       description="Folder of the embedded SQLite files.")
     ttl_ms: int = 10_000
     wait_timeout_s: float = 5.0
 
@@ -39,7 +38,7 @@ class Settings(BaseSettings):
             return self.lock_url
         if self.redis_url:
             return self.redis_url
-        return f"sqlite:///{self.sqlite_path}"
+        return f"sqlite:///{self.home.absolute() / 'locks.db'}"
 
     def resolved_store_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.sqlite_path}"
+        return self.database_url or f"sqlite:///{self.home.absolute() / 'store.db'}"

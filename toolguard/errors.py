@@ -31,6 +31,7 @@ __all__ = [
     "StoreError",
     "ToolGuardError",
     "UnknownTool",
+    "is_control_flow",
 ]
 
 
@@ -200,3 +201,26 @@ class UnknownTool(IntentRejected):
 
 class OutOfOrder(IntentRejected):
     reason = "out_of_order"
+
+
+# --- control flow ------------------------------------------------------------------------
+
+
+def _control_flow_types() -> tuple[type[BaseException], ...]:
+    try:
+        from langgraph.errors import GraphBubbleUp
+    except ImportError:  # langgraph is optional for plain-Python users
+        return ()
+    return (GraphBubbleUp,)
+
+
+def is_control_flow(error: BaseException) -> bool:
+    """True for exceptions that must pass through untouched after locks are released.
+
+    Cancellation, interpreter exit, and LangGraph's ``GraphBubbleUp`` (an
+    ``interrupt()`` or a parent-graph command): the call's outcome is unknown
+    until its idempotency key is seen again.
+    """
+    if not isinstance(error, Exception):
+        return True
+    return isinstance(error, _control_flow_types())

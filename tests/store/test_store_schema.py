@@ -1,0 +1,283 @@
+"""The schema files themselves: install/upgrade, the SQL functions, the append-only audit log."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator
+from importlib import resources
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from store.envs import StoreEnv, drop_schema, rows
+from toolguard.errors import AuditAppendOnly, RecordNotFound, StaleFencingToken
+from toolguard.store import AuditEntry, GuardedStore, Migration, latest_version, migrations, open_store
+
+SQL_DIR = resources.files("toolguard").joinpath("sql")
+
+
+# --- install and upgrade (both stores) --------------------------------------------------------------
+
+
+def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:
+    store = env.open()
+    try:
+        assert store.schema_version() == 0
+        assert store.install() == latest_version(env.kind) == 1
+        assert store.install() == 1
+        assert store.schema_version() == 1
+        assert rows(store, "SELECT version, name FROM toolguard_schema_version") == [(1, "001_initial")]
+    finally:
+        store.close()
+
+
+def test_upgrade_applies_only_newer_files(env: StoreEnv) -> None:
+    store = env.open()
+    try:
+        shipped = migrations(env.kind)
+        assert store.install(shipped) == 1
+        store.audit(AuditEntry(decision="accepted", reason="applied", tool="before-upgrade"))
+        extra = Migration(2, "002_test_extra",
+                          "CREATE TABLE toolguard_test_extra (x INTEGER);\n"
+                          "INSERT INTO toolguard_test_extra (x) VALUES (42);\n")
+        assert store.install([*shipped, extra]) == 2
+        assert store.install([*shipped, extra]) == 2  # not applied twice (would duplicate the row)
+        assert store.install(shipped) == 2  # never downgrades
+        assert rows(store, "SELECT x FROM toolguard_test_extra") == [(42,)]
+        assert [r[0] for r in rows(store, "SELECT version FROM toolguard_schema_version "
+                                          "ORDER BY version")] == [1, 2]
+        assert store.query_audit()[0].tool == "before-upgrade"  # data kept
+    finally:
+        store.close()
+
+
+def test_failed_upgrade_changes_nothing(env: StoreEnv) -> None:
+    store = env.open()
+    try:
+        shipped = migrations(env.kind)
+        store.install(shipped)
+        broken = Migration(2, "002_broken", "CREATE TABLE toolguard_half (x INTEGER);\n"
+                                            "THIS IS NOT SQL;\n")
+        with pytest.raises(Exception, match=r"(?i)syntax"):
+            store.install([*shipped, broken])
+        assert store.schema_version() == 1
+        with pytest.raises(Exception, match="toolguard_half"):
+            rows(store, "SELECT * FROM toolguard_half")
+    finally:
+        store.close()
+
+
+def test_concurrent_installers_do_not_race(env: StoreEnv) -> None:
+    stores = [env.open() for _ in range(4)]
+    barrier = threading.Barrier(len(stores))
+    results: list[object] = []
+
+    def install(store: GuardedStore) -> None:
+        barrier.wait()
+        try:
+            results.append(store.install())
+        except Exception as error:  # collected, asserted below
+            results.append(error)
+
+    threads = [threading.Thread(target=install, args=(s,)) for s in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    try:
+        assert results == [1, 1, 1, 1]
+        assert rows(stores[0], "SELECT count(*) FROM toolguard_schema_version") == [(1,)]
+    finally:
+        for store in stores:
+            store.close()
+
+
+# --- the raw SQL files, as another language would use them -------------------------------------------
+
+
+@pytest.fixture
+def pg(postgres_url: str, unique: str) -> Iterator[psycopg.Connection[Any]]:
+    """A raw autocommit connection whose search_path is a fresh schema."""
+    schema = f"tg_raw_{unique}"
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        try:
+            yield conn
+        finally:
+            drop_schema(postgres_url, schema)
+
+
+def _sql_file(*parts: str) -> str:
+    return SQL_DIR.joinpath(*parts).read_text(encoding="utf-8")
+
+
+def _raises(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] = ()) -> psycopg.Error:
+    with pytest.raises(psycopg.Error) as caught:
+        conn.execute(query, params)
+    return caught.value
+
+
+def test_pg_file_installs_twice_with_psql_semantics(pg: psycopg.Connection[Any]) -> None:
+    for _ in range(2):
+        with pg.transaction():  # psql --single-transaction
+            pg.execute(_sql_file("001_initial.sql"))
+    assert pg.execute("SELECT version, name FROM toolguard_schema_version").fetchall() == [
+        (1, "001_initial")]
+    triggers = pg.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = "
+                          "'toolguard_audit'::regclass AND NOT tgisinternal").fetchone()
+    assert triggers == (1,)
+
+
+def test_pg_fence_function(pg: psycopg.Connection[Any]) -> None:
+    pg.execute(_sql_file("001_initial.sql"))
+    assert pg.execute("SELECT toolguard_fence('k', 10)").fetchone() == (10,)
+    assert pg.execute("SELECT toolguard_fence('k', 10)").fetchone() == (10,)  # equal: same lease
+    assert pg.execute("SELECT toolguard_fence('k', 12)").fetchone() == (12,)
+    stale = _raises(pg, "SELECT toolguard_fence('k', 11)")
+    assert stale.sqlstate == "TG001"
+    assert json.loads(stale.diag.message_detail or "") == {"key": "k", "token": 11, "current": 12}
+    for bad in ("SELECT toolguard_fence('k', NULL)", "SELECT toolguard_fence(NULL, 5)",
+                "SELECT toolguard_fence('', 5)", "SELECT toolguard_fence('k', 0)",
+                "SELECT toolguard_fence('k', -1)",
+                "SELECT toolguard_fence_all(ARRAY['a', 'b'], ARRAY[1]::bigint[])",
+                "SELECT toolguard_fence_all(NULL, NULL)"):
+        assert _raises(pg, bad).sqlstate == "TG002", bad
+    assert pg.execute("SELECT key, token FROM toolguard_high_water").fetchall() == [("k", 12)]
+    # all keys or none: b is stale, so a does not advance either
+    pg.execute("SELECT toolguard_fence_all(ARRAY['b', 'a'], ARRAY[5, 5]::bigint[])")
+    error = _raises(pg, "SELECT toolguard_fence_all(ARRAY['a', 'b'], ARRAY[9, 4]::bigint[])")
+    assert error.sqlstate == "TG001"
+    assert dict(pg.execute("SELECT key, token FROM toolguard_high_water").fetchall()) == {
+        "k": 12, "a": 5, "b": 5}
+
+
+def test_pg_intent_functions(pg: psycopg.Connection[Any]) -> None:
+    pg.execute(_sql_file("001_initial.sql"))
+    begin = ("SELECT * FROM toolguard_begin_intent('i1', 'deposit', 'agent', NULL, "
+             "ARRAY['acct:1'], 'h')")
+    assert pg.execute(begin).fetchone() == ("begun", None, 1, None)
+    assert pg.execute(begin).fetchone() == ("begun", "pending", 2, None)
+    other = _raises(pg, "SELECT * FROM toolguard_begin_intent('i1', 'deposit', 'agent', NULL, "
+                        "ARRAY['acct:1'], 'other')")
+    assert other.sqlstate == "TG004"
+    with pg.transaction():
+        assert pg.execute("SELECT * FROM toolguard_enter(ARRAY['acct:1'], ARRAY[3]::bigint[], "
+                          "'i1', 'deposit', 'agent', NULL, 'h')").fetchone() == (False, None)
+        assert pg.execute("SELECT * FROM toolguard_enter(ARRAY['acct:1'], ARRAY[3]::bigint[], "
+                          "'i2', 'note', NULL, NULL, 'h', ARRAY['ticket:1'])").fetchone() == (
+            False, None)
+        pg.execute("SELECT toolguard_apply('i1', '{\"ok\": true}', '{\"acct:1\": 3}')")
+    assert pg.execute(begin).fetchone() == ("replay", "applied", 2, {"ok": True})
+    assert pg.execute("SELECT * FROM toolguard_enter(ARRAY['acct:1'], ARRAY[3]::bigint[], "
+                      "'i1', 'deposit', 'agent', NULL, 'h')").fetchone() == (True, {"ok": True})
+    assert _raises(pg, "SELECT toolguard_apply('i1', 'null', '{}')").sqlstate == "TG003"
+    assert pg.execute("SELECT keys FROM toolguard_intent ORDER BY idempotency_key").fetchall() == [
+        (["acct:1"],), (["ticket:1"],)]
+
+
+def test_audit_is_append_only_in_postgresql(pg: psycopg.Connection[Any]) -> None:
+    pg.execute(_sql_file("001_initial.sql"))
+    pg.execute("INSERT INTO toolguard_audit (decision, reason) VALUES ('accepted', 'applied')")
+    for statement in ("UPDATE toolguard_audit SET reason = 'forged'",
+                      "DELETE FROM toolguard_audit",
+                      "UPDATE toolguard_audit SET reason = 'x' WHERE false",
+                      "TRUNCATE toolguard_audit"):
+        error = _raises(pg, statement)
+        assert error.sqlstate == "TG005", statement
+        assert "append-only" in str(error)
+    assert pg.execute("SELECT decision, reason FROM toolguard_audit").fetchall() == [
+        ("accepted", "applied")]
+
+
+def test_audit_is_append_only_through_the_store(store: GuardedStore) -> None:
+    store.audit(AuditEntry(decision="rejected", reason="not_authorized", tool="t"))
+    for statement in ("UPDATE toolguard_audit SET reason = 'forged'", "DELETE FROM toolguard_audit"):
+        with pytest.raises(AuditAppendOnly, match="append-only"):
+            rows(store, statement)
+    assert [(e.decision, e.reason) for e in store.query_audit()] == [("rejected", "not_authorized")]
+
+
+def test_sqlite_file_installs_twice(tmp_path) -> None:
+    db = sqlite3.connect(tmp_path / "raw.db")
+    for _ in range(2):
+        db.executescript(_sql_file("sqlite", "001_initial.sql"))
+    assert db.execute("SELECT version FROM toolguard_schema_version").fetchall() == [(1,)]
+    # the documented fence upsert: a stale token returns no row
+    fence = ("INSERT INTO toolguard_high_water (key, token) VALUES (?, ?) ON CONFLICT (key) "
+             "DO UPDATE SET token = excluded.token WHERE toolguard_high_water.token <= excluded.token "
+             "RETURNING token")
+    assert db.execute(fence, ("k", 5)).fetchall() == [(5,)]
+    assert db.execute(fence, ("k", 5)).fetchall() == [(5,)]
+    assert db.execute(fence, ("k", 4)).fetchall() == []
+    with pytest.raises(sqlite3.IntegrityError):
+        db.execute("INSERT INTO toolguard_high_water (key, token) VALUES ('n', NULL)")
+    db.close()
+
+
+# --- the seed's example, done right ---------------------------------------------------------------
+
+
+@pytest.fixture
+def accounts(pg: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    pg.execute(_sql_file("examples", "customer_account.sql"))
+    pg.execute(_sql_file("examples", "customer_account.sql"))  # twice is harmless
+    return pg
+
+
+def test_example_missing_account_is_an_error(accounts: psycopg.Connection[Any]) -> None:
+    error = _raises(accounts, "SELECT mutate_account_balance(%s, 10, 5)", (uuid.uuid4(),))
+    assert error.sqlstate == "TG003" and "does not exist" in str(error)
+    assert accounts.execute("SELECT count(*) FROM customer_account").fetchone() == (0,)
+
+
+def test_example_equal_token_accepted_stale_rejected(accounts: psycopg.Connection[Any]) -> None:
+    account = uuid.uuid4()
+    accounts.execute("INSERT INTO customer_account (account_id, balance) VALUES (%s, 100)", (account,))
+    mutate = "SELECT mutate_account_balance(%s, %s, %s)"
+    assert accounts.execute(mutate, (account, -60, 42)).fetchone()[0] == 40
+    assert accounts.execute(mutate, (account, 5, 42)).fetchone()[0] == 45  # same lease again
+    assert accounts.execute(mutate, (account, 1, 43)).fetchone()[0] == 46
+    stale = _raises(accounts, mutate, (account, -50, 42))
+    assert stale.sqlstate == "TG001"
+    assert json.loads(stale.diag.message_detail or "")["current"] == 43
+    assert _raises(accounts, mutate, (account, 5, None)).sqlstate == "TG002"
+    assert _raises(accounts, mutate, (account, None, 44)).sqlstate == "TG002"
+    assert accounts.execute("SELECT balance, last_fencing_token FROM customer_account").fetchone() == (
+        46, 43)
+
+
+def test_example_errors_map_to_typed_exceptions_in_fenced(postgres_url: str, unique: str) -> None:
+    schema = f"tg_ex_{unique}"
+    store = open_store(postgres_url, schema=schema, install=True)
+    try:
+        with store.connection() as conn:
+            conn.execute(_sql_file("examples", "customer_account.sql"))
+        account = uuid.uuid4()
+        rows(store, "INSERT INTO customer_account (account_id, balance) VALUES (%s, 0)", (account,))
+        key = f"account:{account}"
+        with store.fenced({key: 5}) as tx:
+            tx.execute("SELECT mutate_account_balance(%s, 10, %s)", (account, tx.tokens[key]))
+        with pytest.raises(StaleFencingToken) as caught, store.fenced({"other:key": 1}) as tx:
+            tx.execute("SELECT mutate_account_balance(%s, 10, 4)", (account,))
+        assert (caught.value.key, caught.value.token, caught.value.current) == (key, 4, 5)
+        with pytest.raises(RecordNotFound), store.fenced({key: 5}) as tx:
+            tx.execute("SELECT mutate_account_balance(%s, 10, 5)", (uuid.uuid4(),))
+        # a tool that swallows the error still cannot commit
+        with pytest.raises(StaleFencingToken), store.fenced({"other:key": 2}) as tx, \
+                contextlib.suppress(StaleFencingToken):
+            tx.execute("SELECT mutate_account_balance(%s, 10, 1)", (account,))
+        assert rows(store, "SELECT balance FROM customer_account") == [(10,)]
+        reasons = [e.reason for e in store.query_audit(newest_first=False)]
+        assert reasons == ["applied", "stale_fencing_token", "not_found", "stale_fencing_token"]
+        stale_row = store.query_audit(reason="stale_fencing_token", limit=1, newest_first=False)[0]
+        assert stale_row.decision == "rejected"
+    finally:
+        store.close()
+        drop_schema(postgres_url, schema)

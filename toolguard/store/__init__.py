@@ -1,0 +1,164 @@
+"""The guarded store: the data tier decides whether a fenced write may land.
+
+>>> from toolguard.locks import connect
+>>> from toolguard.store import IntentRecord, open_store
+>>> locks = connect("redis://127.0.0.1:6379/0")
+>>> store = open_store("postgresql://app@db/crm")   # or "sqlite:///path/to.db"
+>>> store.install()
+>>> intent = IntentRecord(tool="deposit", idempotency_key="run-7/call-3",
+...                       args_hash=args_hash(args), agent="payments", keys=("account:42",))
+>>> begun = store.begin_intent(intent)             # Replay(result) if it already ran
+>>> with locks.acquire(["account:42"]) as lease:
+...     with store.fenced(lease.tokens, intent) as tx:
+...         (balance,) = tx.execute("SELECT balance FROM account WHERE id = %s", (42,)).fetchone()
+...         tx.execute("UPDATE account SET balance = %s WHERE id = %s", (balance + 10, 42))
+...         tx.record({"balance": balance + 10})
+
+``fenced()`` opens one transaction that first checks and advances the fence of
+every key (sorted, so two writers cannot deadlock in the database): a token
+lower than one the store has seen for that key is rejected with
+``StaleFencingToken``; an equal one is accepted (one lease, several writes).
+Then it locks the intent's idempotency row (``DuplicateIntent`` if it was
+applied meanwhile), lets the tool run its SQL on the same connection, records
+the result, writes the accepted audit row and commits: all or nothing. A
+rejected or failed write is rolled back and audited outside the transaction.
+
+Why the reads must happen inside the fenced transaction
+-------------------------------------------------------
+Fencing only the write does not prevent lost updates. Holder A reads a
+balance, then pauses (GC, a slow model call, a stopped process) past its TTL;
+B takes the lock with a newer token and reads the same balance. If A wakes
+*between B's read and B's write*, A's write still carries the newest token the
+store has seen, so it is accepted; then B's write is accepted too (B's token
+is newer) and silently overwrites A's update with a value computed from a
+stale read. When the read happens inside ``fenced()`` instead, the fence row
+is already locked and advanced when the tool reads: a holder with an older
+token is rejected before it reads anything, and a newer holder waits for the
+commit of the older one and then reads its result. So: read what a write
+depends on through ``tx``, never before entering ``fenced()``. Run PostgreSQL
+at READ COMMITTED (the default): each statement then sees the commits of
+every earlier fence holder; every writer of the data must fence the same keys.
+
+Tools whose side effect cannot check a token (an external API) get no such
+guarantee from the store: there the lock is only an efficiency measure and the
+idempotency key (passed on to the API) is what prevents duplicates.
+
+Rejections raise typed errors mapped from the SQLSTATE class ``TG`` (see
+``toolguard/sql/README.md``): TG001 ``StaleFencingToken``, TG002
+``InvalidFencingToken``, TG003 ``RecordNotFound``, TG004
+``IdempotencyConflict``, TG005 ``AuditAppendOnly``.
+
+Names: ``open_store``/``open_async_store`` pick the backend by URL scheme
+(``postgresql://``/``postgres://`` or ``sqlite:///``). The async store has the
+same methods as coroutines and ``async with store.fenced(...)``. Beyond the
+core shape, ``high_waters(keys)`` (one query for several keys, used by the
+re-seed), ``connection()`` (a raw autocommit connection for reads and setup) and
+``install(steps=...)`` (explicit migrations, for tests of the upgrade path) are
+public too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlparse
+
+from toolguard.errors import ConfigurationError
+from toolguard.store.base import (
+    DECISIONS,
+    SQLSTATES,
+    AsyncFencedTransaction,
+    AsyncGuardedStore,
+    AuditEntry,
+    AuditQuery,
+    Begun,
+    Decision,
+    FencedTransaction,
+    GuardedStore,
+    IntentRecord,
+    IntentStatus,
+    Migration,
+    Replay,
+    latest_version,
+    migrations,
+)
+
+__all__ = [
+    "DECISIONS",
+    "SQLSTATES",
+    "AsyncFencedTransaction",
+    "AsyncGuardedStore",
+    "AuditEntry",
+    "AuditQuery",
+    "Begun",
+    "Decision",
+    "FencedTransaction",
+    "GuardedStore",
+    "IntentRecord",
+    "IntentStatus",
+    "Migration",
+    "Replay",
+    "latest_version",
+    "migrations",
+    "open_async_store",
+    "open_store",
+]
+
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+
+
+def _scheme(url: str) -> str:
+    if not isinstance(url, str) or "://" not in url:
+        msg = f"a store URL looks like postgresql://user@host/db or sqlite:///path.db, got {url!r}"
+        raise ConfigurationError(msg)
+    scheme = urlparse(url).scheme
+    if scheme not in (*POSTGRES_SCHEMES, "sqlite"):
+        msg = f"unknown store URL scheme {scheme!r}; expected postgresql:// or sqlite:///"
+        raise ConfigurationError(msg)
+    return scheme
+
+
+def open_store(url: str | None = None, *, install: bool = False, **options: Any) -> GuardedStore:
+    """A sync ``GuardedStore`` for ``url`` (default: settings, i.e. the embedded SQLite file).
+
+    PostgreSQL options: ``schema``, ``min_size``, ``max_size``, ``timeout_s``;
+    SQLite options: ``busy_timeout_ms``, ``synchronous``. ``install=True``
+    installs or upgrades the schema first.
+    """
+    if url is None:
+        from toolguard.config import Settings
+
+        url = Settings().resolved_store_url()
+    store: GuardedStore
+    if _scheme(url) == "sqlite":
+        from toolguard.locks import sqlite_path
+        from toolguard.store.sqlite import SqliteStore
+
+        store = SqliteStore(sqlite_path(url), **options)
+    else:
+        from toolguard.store.postgres import PostgresStore
+
+        store = PostgresStore(url, **options)
+    if install:
+        try:
+            store.install()
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+def open_async_store(url: str | None = None, **options: Any) -> AsyncGuardedStore:
+    """An ``AsyncGuardedStore`` for ``url``; its pool opens on first use (call ``install()``
+    yourself if needed)."""
+    if url is None:
+        from toolguard.config import Settings
+
+        url = Settings().resolved_store_url()
+    if _scheme(url) == "sqlite":
+        from toolguard.locks import sqlite_path
+        from toolguard.store.sqlite import AsyncSqliteStore
+
+        return AsyncSqliteStore(sqlite_path(url), **options)
+    from toolguard.store.postgres import AsyncPostgresStore
+
+    return AsyncPostgresStore(url, **options)

@@ -1,0 +1,723 @@
+"""What every guarded store shares: records, the fenced-write flow, error mapping.
+
+Only the thin I/O edges differ between PostgreSQL and SQLite, sync and async;
+they implement a ``Session`` (enter, finish, abort, record_failure) and the
+flow in ``fenced_flow`` / ``afenced_flow`` does the rest the same way for all
+four, so an accepted write, a stale token and a crash are audited identically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from importlib import resources
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    Protocol,
+    runtime_checkable,
+)
+
+from toolguard.errors import (
+    AuditAppendOnly,
+    BackendUnavailable,
+    ConfigurationError,
+    DuplicateIntent,
+    IdempotencyConflict,
+    IntentRejected,
+    InvalidFencingToken,
+    LockError,
+    RecordNotFound,
+    StaleFencingToken,
+    StoreError,
+    ToolGuardError,
+    is_control_flow,
+)
+
+if TYPE_CHECKING:
+    from contextlib import AbstractAsyncContextManager, AbstractContextManager
+
+__all__ = [
+    "DECISIONS",
+    "SQLSTATES",
+    "AsyncFencedTransaction",
+    "AsyncGuardedStore",
+    "AuditEntry",
+    "Begun",
+    "Decision",
+    "FencePlan",
+    "FencedTransaction",
+    "GuardedStore",
+    "IntentRecord",
+    "IntentStatus",
+    "Migration",
+    "Replay",
+    "dump_json",
+    "error_from_sqlstate",
+    "latest_version",
+    "migrations",
+    "qmark",
+]
+
+log = logging.getLogger("toolguard.store")
+
+Decision = Literal["accepted", "rejected", "replayed", "failed", "unknown"]
+#: Decisions the store writes itself; the guard may add its own (the column is free text).
+DECISIONS: tuple[str, ...] = ("accepted", "rejected", "replayed", "failed", "unknown")
+IntentStatus = Literal["pending", "applied", "failed", "unknown"]
+
+#: The custom SQLSTATE class ``TG``, raised by the SQL functions in ``toolguard/sql``.
+SQLSTATES: Mapping[str, type[StoreError]] = {
+    "TG001": StaleFencingToken,
+    "TG002": InvalidFencingToken,
+    "TG003": RecordNotFound,
+    "TG004": IdempotencyConflict,
+    "TG005": AuditAppendOnly,
+}
+
+SCHEMA_HINT = "the toolguard schema is not installed here: run `toolguard db init`"
+
+
+# --- records ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntentRecord:
+    """What the store needs to know about one intent (all of it already validated).
+
+    ``idempotency_key`` makes the write exactly-once; without it ``fenced()``
+    still fences and audits, but a retry would apply again. ``args_hash`` is
+    required with a key: the same key with another hash is a conflict.
+    ``intent_id`` (the tool-call id), ``args`` (already redacted) and
+    ``node_attempt`` only go to the audit log.
+    """
+
+    tool: str
+    idempotency_key: str | None = None
+    args_hash: str | None = None
+    agent: str | None = None
+    workflow: str | None = None
+    keys: tuple[str, ...] = ()
+    intent_id: str | None = None
+    args: Any = None
+    node_attempt: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tool, str) or not self.tool:
+            msg = f"an intent needs a tool name, got {self.tool!r}"
+            raise StoreError(msg, reason="invalid_intent")
+        if self.idempotency_key is not None and not (
+                isinstance(self.idempotency_key, str) and self.idempotency_key):
+            msg = f"idempotency_key must be a non-empty string or None, got {self.idempotency_key!r}"
+            raise StoreError(msg, reason="invalid_intent")
+        if self.idempotency_key is not None and not self.args_hash:
+            msg = f"intent {self.idempotency_key!r} has an idempotency key but no args_hash"
+            raise StoreError(msg, reason="invalid_intent")
+        object.__setattr__(self, "keys", tuple(self.keys))
+
+
+@dataclass(frozen=True, slots=True)
+class Begun:
+    """``begin_intent`` reserved the key: run the intent (``attempt`` counts from 1).
+
+    ``previous_status`` is None for a new key, else the status of the earlier
+    attempt that is being reconciled ('pending', 'failed' or 'unknown'): that
+    attempt certainly did not apply, since applying records the result in the
+    same transaction as the mutation.
+    """
+
+    idempotency_key: str
+    attempt: int
+    previous_status: str | None = None
+
+    @property
+    def reconciled(self) -> bool:
+        return self.previous_status is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The intent was already applied: return ``result`` and run nothing."""
+
+    idempotency_key: str
+    result: Any
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuditEntry:
+    """One audit row. ``id`` and ``at`` are set by the database.
+
+    ``args`` must already be redacted: the store writes what it is given.
+    """
+
+    decision: str
+    reason: str
+    tool: str | None = None
+    agent: str | None = None
+    intent_id: str | None = None
+    idempotency_key: str | None = None
+    workflow: str | None = None
+    keys: tuple[str, ...] = ()
+    tokens: Mapping[str, int] = field(default_factory=dict)
+    args: Any = None
+    detail: str | None = None
+    duration_ms: float | None = None
+    node_attempt: int | None = None
+    id: int | None = None
+    at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if not self.decision or not self.reason:
+            msg = "an audit entry needs a decision and a reason code"
+            raise StoreError(msg, reason="invalid_audit")
+        object.__setattr__(self, "keys", tuple(self.keys))
+        object.__setattr__(self, "tokens", dict(self.tokens))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``at`` as ISO 8601 text, ``keys`` as a list."""
+        data = asdict(self)
+        data["keys"] = list(self.keys)
+        data["at"] = self.at.isoformat() if self.at else None
+        return data
+
+    def insert_values(self, dialect: str) -> tuple[Any, ...]:
+        """Column values in ``AUDIT_COLUMNS`` order; JSON columns (and SQLite's keys) as JSON text."""
+        keys: Any = list(self.keys) if dialect == "postgresql" else dump_json(list(self.keys), "keys")
+        return (self.agent, self.tool, self.intent_id, self.idempotency_key, self.workflow,
+                self.decision, self.reason, keys, dump_json(dict(self.tokens), "tokens"),
+                None if self.args is None else dump_json(self.args, "audit args"),
+                self.detail, self.duration_ms, self.node_attempt)
+
+
+AUDIT_COLUMNS = ("agent", "tool", "intent_id", "idempotency_key", "workflow", "decision", "reason",
+                 "keys", "tokens", "args", "detail", "duration_ms", "node_attempt")
+AUDIT_SELECT = ("id", "at", *AUDIT_COLUMNS)
+
+
+def dump_json(value: Any, what: str = "result") -> str:
+    """Strict JSON text (no NaN, no arbitrary objects), so both stores keep the same value."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        msg = f"the {what} must be JSON-serializable: {error}"
+        raise StoreError(msg, reason="not_json") from error
+
+
+# --- migrations ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One numbered schema file: ``NNN_name.sql``."""
+
+    version: int
+    name: str
+    sql: str
+
+
+_MIGRATION_NAME = re.compile(r"^(\d{3})_(\w+)\.sql$")
+
+
+def migrations(dialect: Literal["postgresql", "sqlite"]) -> tuple[Migration, ...]:
+    """The schema files shipped in ``toolguard/sql`` (``sql/sqlite`` for SQLite), in order."""
+    folder = resources.files("toolguard").joinpath("sql")
+    if dialect == "sqlite":
+        folder = folder.joinpath("sqlite")
+    found: list[Migration] = []
+    try:
+        entries = list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError) as error:
+        msg = f"toolguard's SQL files are missing from the installation ({folder}): {error}"
+        raise ConfigurationError(msg) from error
+    for entry in entries:
+        match = _MIGRATION_NAME.match(entry.name)
+        if match and entry.is_file():
+            found.append(Migration(int(match.group(1)), f"{match.group(1)}_{match.group(2)}",
+                                   entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda m: m.version)
+    if not found:
+        msg = f"no schema files found in {folder}"
+        raise ConfigurationError(msg)
+    return tuple(found)
+
+
+def latest_version(dialect: Literal["postgresql", "sqlite"]) -> int:
+    """The schema version this toolguard installs."""
+    return migrations(dialect)[-1].version
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+def error_from_sqlstate(sqlstate: str | None, message: str, detail: str | None) -> StoreError | None:
+    """The toolguard error for a ``TGnnn`` SQLSTATE (None for any other state)."""
+    cls = SQLSTATES.get(sqlstate or "")
+    if cls is None:
+        return None
+    if cls is StaleFencingToken:
+        info: dict[str, Any] = {}
+        with contextlib.suppress(ValueError, TypeError):
+            info = json.loads(detail or "{}")
+        return StaleFencingToken(message, key=str(info.get("key", "")), token=info.get("token"),
+                                 current=info.get("current"))
+    return cls(message)
+
+
+def schema_missing(error: BaseException) -> StoreError:
+    return StoreError(f"{SCHEMA_HINT} ({error})", reason="schema_not_installed")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """How a failed fenced write is audited, and what becomes of its intent row."""
+
+    decision: str
+    reason: str
+    status: IntentStatus | None  # None: leave the intent row alone
+
+
+def classify(error: BaseException) -> Failure:
+    """Pure: the audit decision/reason and intent status for an error out of ``fenced()``."""
+    if isinstance(error, DuplicateIntent):
+        return Failure("replayed", error.reason, None)
+    if isinstance(error, IdempotencyConflict):  # the row belongs to another request
+        return Failure("rejected", error.reason, None)
+    if isinstance(error, StaleFencingToken | InvalidFencingToken | IntentRejected | LockError):
+        return Failure("rejected", error.reason, "failed")
+    if isinstance(error, BackendUnavailable):  # the commit may or may not have landed
+        return Failure("failed", error.reason, "unknown")
+    if isinstance(error, ToolGuardError):
+        return Failure("failed", error.reason, "failed")
+    if not isinstance(error, Exception):  # cancelled, interrupted, exiting
+        return Failure("unknown", "cancelled", "unknown")
+    if is_control_flow(error):  # a LangGraph interrupt: the call runs again on resume
+        return Failure("unknown", "interrupted", "unknown")
+    return Failure("failed", "error", "failed")
+
+
+# --- the fenced-write plan -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FencePlan:
+    """Validated input of one fenced transaction: keys in canonical order, their tokens.
+
+    Building never raises: an unusable input is kept as ``problem`` so that the
+    flow can audit it like any other rejection.
+    """
+
+    keys: tuple[str, ...]
+    tokens: Mapping[str, int]
+    intent: IntentRecord | None
+    detail: str | None
+    started: float
+    problem: ToolGuardError | None = None
+
+    @classmethod
+    def build(cls, tokens: Mapping[str, int], intent: IntentRecord | None,
+              detail: str | None = None) -> FencePlan:
+        started = time.monotonic()
+        problem: ToolGuardError | None = None
+        clean: dict[str, int] = {}
+        try:
+            items = list(tokens.items())
+        except AttributeError:
+            items = []
+            problem = InvalidFencingToken(f"tokens must be a mapping of key to token, got {tokens!r}")
+        for key, token in items:
+            if not isinstance(key, str) or not key:
+                problem = problem or InvalidFencingToken(f"fencing keys must be non-empty strings, "
+                                                         f"got {key!r}")
+            elif not isinstance(token, int) or isinstance(token, bool) or token <= 0:
+                problem = problem or InvalidFencingToken(
+                    f"fencing token for key {key!r} must be a positive integer, got {token!r}")
+            else:
+                clean[key] = token
+        if not items and problem is None:
+            problem = InvalidFencingToken("a fenced write needs at least one key and its token")
+        if intent is not None and not isinstance(intent, IntentRecord):
+            problem = problem or StoreError(f"intent must be an IntentRecord, got {intent!r}",
+                                            reason="invalid_intent")
+            intent = None
+        keys = tuple(sorted(clean))
+        return cls(keys, {k: clean[k] for k in keys}, intent, detail, started, problem)
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return self.intent.idempotency_key if self.intent else None
+
+    def elapsed_ms(self) -> float:
+        return round((time.monotonic() - self.started) * 1000, 3)
+
+    def entry(self, decision: str, reason: str, detail: str | None) -> AuditEntry:
+        """The audit row for this write's outcome."""
+        intent = self.intent
+        return AuditEntry(
+            decision=decision, reason=reason,
+            tool=intent.tool if intent else None,
+            agent=intent.agent if intent else None,
+            intent_id=intent.intent_id if intent else None,
+            idempotency_key=intent.idempotency_key if intent else None,
+            workflow=intent.workflow if intent else None,
+            keys=self.keys, tokens=self.tokens,
+            args=intent.args if intent else None,
+            detail=detail, duration_ms=self.elapsed_ms(),
+            node_attempt=intent.node_attempt if intent else None,
+        )
+
+    def failure_entry(self, error: BaseException) -> tuple[AuditEntry, IntentStatus | None]:
+        outcome = classify(error)
+        text = str(error) or type(error).__name__
+        return self.entry(outcome.decision, outcome.reason, text[:4000]), outcome.status
+
+
+# --- the transaction handed to the tool ------------------------------------------------------
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%s|%%")
+
+
+def qmark(sql: str) -> str:
+    """psycopg placeholders to sqlite3 ones: ``%s`` -> ``?``, ``%(n)s`` -> ``:n``, ``%%`` -> ``%``."""
+    def swap(match: re.Match[str]) -> str:
+        text = match.group(0)
+        if text == "%%":
+            return "%"
+        return "?" if text == "%s" else f":{match.group(1)}"
+
+    return _PLACEHOLDER.sub(swap, sql)
+
+
+class _TxBase:
+    """State shared by the sync and async transaction objects."""
+
+    def __init__(self, connection: Any, plan: FencePlan, dialect: str) -> None:
+        self.connection = connection
+        self.tokens: Mapping[str, int] = plan.tokens
+        self.keys: tuple[str, ...] = plan.keys
+        self.intent = plan.intent
+        self.dialect = dialect
+        #: Free text for the accepted audit row.
+        self.detail: str | None = plan.detail
+        self.recorded = False
+        self._result: Any = None
+        self._result_json = "null"
+        #: A toolguard error seen by ``execute`` (e.g. TG001 from the tool's own fenced SQL):
+        #: re-raised at commit if the tool swallowed it.
+        self.failure: ToolGuardError | None = None
+        #: The lease the tokens came from, when the caller holds one (``run_fenced`` sets it).
+        self.lease: Any = None
+
+    @property
+    def result(self) -> Any:
+        return self._result
+
+    @result.setter
+    def result(self, value: Any) -> None:
+        self.record(value)
+
+    def record(self, result: Any) -> None:
+        """Set the intent's result, stored in the same commit and returned on replays (JSON)."""
+        self._result_json = dump_json(result)
+        self._result = json.loads(self._result_json)
+        self.recorded = True
+
+    @property
+    def result_json(self) -> str:
+        return self._result_json
+
+
+class FencedTransaction(_TxBase):
+    """An open fenced transaction: fences checked, intent locked, not yet committed.
+
+    Run the tool's reads and writes with ``execute`` (or on ``connection``,
+    never committing it), then ``record()`` the result. ``execute`` takes
+    psycopg-style ``%s`` placeholders on both stores.
+    """
+
+    def __init__(self, connection: Any, plan: FencePlan, dialect: str,
+                 execute: Callable[[str, Any], Any]) -> None:
+        super().__init__(connection, plan, dialect)
+        self._execute = execute
+
+    def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> Any:
+        """Run one statement in the transaction; returns the driver's cursor."""
+        return self._execute(sql, params)
+
+
+class AsyncFencedTransaction(_TxBase):
+    """The asyncio twin of ``FencedTransaction``: ``await tx.execute(...)``, then
+    ``await cursor.fetchone()``."""
+
+    def __init__(self, connection: Any, plan: FencePlan, dialect: str,
+                 execute: Callable[[str, Any], Awaitable[Any]]) -> None:
+        super().__init__(connection, plan, dialect)
+        self._execute = execute
+
+    async def execute(self, sql: str,
+                      params: Sequence[Any] | Mapping[str, Any] | None = None) -> Any:
+        """Run one statement in the transaction; returns an async cursor."""
+        return await self._execute(sql, params)
+
+
+# --- the flow --------------------------------------------------------------------------
+
+
+class Session(Protocol):
+    """One connection's worth of the fenced flow (sync)."""
+
+    def enter(self, plan: FencePlan) -> FencedTransaction: ...
+
+    def finish(self, tx: FencedTransaction, entry: AuditEntry) -> None: ...
+
+    def abort(self, error: BaseException) -> BaseException: ...
+
+    def record_failure(self, plan: FencePlan, entry: AuditEntry,
+                       status: IntentStatus | None) -> None: ...
+
+
+class AsyncSession(Protocol):
+    """One connection's worth of the fenced flow (asyncio)."""
+
+    async def enter(self, plan: FencePlan) -> AsyncFencedTransaction: ...
+
+    async def finish(self, tx: AsyncFencedTransaction, entry: AuditEntry) -> None: ...
+
+    async def abort(self, error: BaseException) -> BaseException: ...
+
+    async def record_failure(self, plan: FencePlan, entry: AuditEntry,
+                             status: IntentStatus | None) -> None: ...
+
+
+_AUDITED = "_toolguard_audited"
+
+
+def mark_audited(error: BaseException) -> None:
+    """Note on the exception that its audit row is written, so no caller writes a second one."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(error, _AUDITED, True)
+
+
+def was_audited(error: BaseException) -> bool:
+    return bool(getattr(error, _AUDITED, False))
+
+
+def _raise(error: BaseException, cause: BaseException) -> None:
+    if error is cause:
+        raise error
+    raise error from cause
+
+
+@contextlib.contextmanager
+def fenced_flow(session: AbstractContextManager[Session], tokens: Mapping[str, int],
+                intent: IntentRecord | None, detail: str | None) -> Iterator[FencedTransaction]:
+    """Fence, run the tool, record and audit, commit; on failure roll back and audit outside."""
+    plan = FencePlan.build(tokens, intent, detail)
+    with session as s:
+        try:
+            if plan.problem is not None:
+                raise plan.problem
+            tx = s.enter(plan)
+            yield tx
+            s.finish(tx, plan.entry("accepted", "applied", tx.detail))
+        except BaseException as raised:
+            error = s.abort(raised)
+            entry, status = plan.failure_entry(error)
+            try:
+                s.record_failure(plan, entry, status)
+                mark_audited(error)
+                mark_audited(raised)
+            except Exception as audit_error:  # never hide the real failure behind the audit's
+                log.warning("could not audit a failed fenced write (%s): %s", entry.reason,
+                            audit_error)
+            _raise(error, raised)
+
+
+@contextlib.asynccontextmanager
+async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
+                       tokens: Mapping[str, int], intent: IntentRecord | None,
+                       detail: str | None) -> AsyncIterator[AsyncFencedTransaction]:
+    """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``."""
+    plan = FencePlan.build(tokens, intent, detail)
+    async with session as s:
+        try:
+            if plan.problem is not None:
+                raise plan.problem
+            tx = await s.enter(plan)
+            yield tx
+            await s.finish(tx, plan.entry("accepted", "applied", tx.detail))
+        except BaseException as raised:
+            error = await s.abort(raised)
+            entry, status = plan.failure_entry(error)
+            try:
+                await s.record_failure(plan, entry, status)
+                mark_audited(error)
+                mark_audited(raised)
+            except Exception as audit_error:
+                log.warning("could not audit a failed fenced write (%s): %s", entry.reason,
+                            audit_error)
+            _raise(error, raised)
+
+
+# --- audit queries -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuditQuery:
+    """Filters of ``query_audit``; ``where()`` renders them for one dialect."""
+
+    decision: str | Collection[str] | None = None
+    reason: str | Collection[str] | None = None
+    tool: str | Collection[str] | None = None
+    agent: str | Collection[str] | None = None
+    key: str | None = None
+    idempotency_key: str | None = None
+    intent_id: str | None = None
+    workflow: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    after_id: int | None = None
+    limit: int | None = 100
+    newest_first: bool = True
+
+    def __post_init__(self) -> None:
+        for moment in (self.since, self.until):
+            if moment is not None and moment.tzinfo is None:
+                msg = "since/until must be timezone-aware datetimes"
+                raise StoreError(msg, reason="invalid_query")
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 0):
+            msg = f"limit must be a non-negative integer or None, got {self.limit!r}"
+            raise StoreError(msg, reason="invalid_query")
+
+    def where(self, dialect: str, moment: Callable[[datetime], Any]) -> tuple[str, list[Any]]:
+        """A ``WHERE ...`` clause (or "") and its parameters, with ``%s`` placeholders."""
+        clauses: list[str] = []
+        params: list[Any] = []
+        for column in ("decision", "reason", "tool", "agent"):
+            value = getattr(self, column)
+            if value is None:
+                continue
+            values = [value] if isinstance(value, str) else list(value)
+            clauses.append(f"{column} IN ({', '.join(['%s'] * len(values))})" if values else "1 = 0")
+            params.extend(values)
+        for column in ("idempotency_key", "intent_id", "workflow"):
+            value = getattr(self, column)
+            if value is not None:
+                clauses.append(f"{column} = %s")
+                params.append(value)
+        if self.key is not None:
+            if dialect == "postgresql":
+                clauses.append("keys @> ARRAY[%s]::text[]")
+            else:
+                clauses.append("EXISTS (SELECT 1 FROM json_each(toolguard_audit.keys) "
+                               "WHERE json_each.value = %s)")
+            params.append(self.key)
+        if self.since is not None:
+            clauses.append("at >= %s")
+            params.append(moment(self.since))
+        if self.until is not None:
+            clauses.append("at < %s")
+            params.append(moment(self.until))
+        if self.after_id is not None:
+            clauses.append("id > %s")
+            params.append(self.after_id)
+        return (" WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+    def tail(self) -> tuple[str, list[Any]]:
+        order = " ORDER BY id DESC" if self.newest_first else " ORDER BY id"
+        if self.limit is None:
+            return order, []
+        return order + " LIMIT %s", [self.limit]
+
+
+def finite_ms(value: Any) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+# --- the public shape --------------------------------------------------------------------
+
+
+@runtime_checkable
+class GuardedStore(Protocol):
+    """The sync guarded store: fences, exactly-once intents, an append-only audit log."""
+
+    dialect: str
+
+    def install(self) -> int: ...
+
+    def schema_version(self) -> int: ...
+
+    def begin_intent(self, record: IntentRecord) -> Begun | Replay: ...
+
+    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+               detail: str | None = None) -> AbstractContextManager[FencedTransaction]: ...
+
+    def audit(self, entry: AuditEntry) -> AuditEntry: ...
+
+    def mark_unknown(self, idempotency_key: str) -> bool: ...
+
+    def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool: ...
+
+    def high_water(self, key: str) -> int: ...
+
+    def high_waters(self, keys: Iterable[str]) -> dict[str, int]: ...
+
+    def query_audit(self, **filters: Any) -> list[AuditEntry]: ...
+
+    def connection(self) -> AbstractContextManager[Any]: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncGuardedStore(Protocol):
+    """The asyncio guarded store: the same methods, awaited."""
+
+    dialect: str
+
+    async def install(self) -> int: ...
+
+    async def schema_version(self) -> int: ...
+
+    async def begin_intent(self, record: IntentRecord) -> Begun | Replay: ...
+
+    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+               detail: str | None = None) -> AbstractAsyncContextManager[AsyncFencedTransaction]: ...
+
+    async def audit(self, entry: AuditEntry) -> AuditEntry: ...
+
+    async def mark_unknown(self, idempotency_key: str) -> bool: ...
+
+    async def has_applied(self, tool: str, resource_key: str,
+                          workflow: str | None = None) -> bool: ...
+
+    async def high_water(self, key: str) -> int: ...
+
+    async def high_waters(self, keys: Iterable[str]) -> dict[str, int]: ...
+
+    async def query_audit(self, **filters: Any) -> list[AuditEntry]: ...
+
+    def connection(self) -> AbstractAsyncContextManager[Any]: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,148 @@
+"""``toolguard db``: install, upgrade and inspect the guarded store's schema.
+
+Mounted by the main CLI as ``app.add_typer(db_app, name="db")``. Expected
+failures print one line on stderr and exit with a code scripts can test:
+
+    0  done / schema up to date
+    1  ``status``: schema missing or older than this toolguard (run ``init``)
+    2  bad URL or settings
+    3  the database cannot be reached
+    4  the database refused (permissions, a broken schema, ...)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from toolguard.errors import BackendUnavailable, ConfigurationError, ToolGuardError
+
+if TYPE_CHECKING:
+    from toolguard.store import GuardedStore
+
+__all__ = ["EXIT_BEHIND", "EXIT_CONFIG", "EXIT_REFUSED", "EXIT_UNREACHABLE", "db_app"]
+
+EXIT_BEHIND = 1
+EXIT_CONFIG = 2
+EXIT_UNREACHABLE = 3
+EXIT_REFUSED = 4
+
+db_app = typer.Typer(help="The guarded store's schema: install, upgrade, inspect.",
+                     no_args_is_help=True)
+
+UrlOption = Annotated[str | None, typer.Option(
+    "--url", help="Store URL (postgresql://... or sqlite:///...). Default: TOOLGUARD_DATABASE_URL, "
+                  "else the embedded SQLite file.", show_default=False)]
+SchemaOption = Annotated[str | None, typer.Option(
+    "--schema", help="PostgreSQL schema to use (created by init). Default: the search_path.",
+    show_default=False)]
+TimeoutOption = Annotated[float, typer.Option(
+    "--timeout", min=0.1, help="Seconds to wait for a database connection.")]
+
+
+def _resolve(url: str | None) -> str:
+    if url:
+        return url
+    from toolguard.config import Settings
+
+    return Settings().resolved_store_url()
+
+
+def _shown(url: str) -> str:
+    from toolguard.store.postgres import redact
+
+    return redact(url)
+
+
+@contextmanager
+def _failures(url: str) -> Iterator[None]:
+    """Expected failures become one line on stderr and an exit code; no traceback."""
+    try:
+        yield
+    except ConfigurationError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
+    except BackendUnavailable as error:
+        typer.echo(f"error: cannot connect to the store: {error}", err=True)
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+    except ToolGuardError as error:
+        typer.echo(f"error: {error.reason}: {error}", err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
+    except Exception as error:  # a database error we did not map: still no traceback
+        typer.echo(f"error: the store at {_shown(url)} refused: {type(error).__name__}: "
+                   f"{str(error).strip()}", err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
+
+
+def _open(url: str, schema: str | None, timeout: float) -> GuardedStore:
+    from toolguard.store import open_store
+
+    # The pool logs every failed connection attempt; the command reports the failure itself.
+    logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
+
+    options: dict[str, object] = {}
+    if url.startswith(("postgresql:", "postgres:")):
+        options = {"schema": schema, "timeout_s": timeout, "min_size": 0, "max_size": 1}
+    elif schema:
+        msg = "--schema only applies to PostgreSQL"
+        raise ConfigurationError(msg)
+    return open_store(url, **options)
+
+
+def _missing_sqlite_file(url: str, schema: str | None) -> bool:
+    """``status`` must not create the embedded database file just to say it is empty."""
+    if not url.startswith("sqlite:") or schema:
+        return False
+    from toolguard.locks import sqlite_path
+
+    return not Path(sqlite_path(url)).exists()
+
+
+@db_app.command("init")
+def init(url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 10.0) -> None:
+    """Install the schema, or upgrade it to this toolguard's version. Safe to repeat."""
+    target = _resolve(url)
+    with _failures(target):
+        store = _open(target, schema, timeout)
+        try:
+            before = store.schema_version()
+            after = store.install()
+        finally:
+            store.close()
+    where = f"{_shown(target)}" + (f" (schema {schema})" if schema else "")
+    if before == after:
+        typer.echo(f"schema already at version {after} in {where}")
+    else:
+        typer.echo(f"schema upgraded from version {before} to {after} in {where}")
+
+
+@db_app.command("status")
+def status(url: UrlOption = None, schema: SchemaOption = None,
+           timeout: TimeoutOption = 10.0) -> None:
+    """Show the installed schema version; exit 1 if it is missing or behind."""
+    from toolguard.store import latest_version
+
+    target = _resolve(url)
+    with _failures(target):
+        store = None if _missing_sqlite_file(target, schema) else _open(target, schema, timeout)
+        try:
+            installed = store.schema_version() if store is not None else 0
+        finally:
+            if store is not None:
+                store.close()
+        latest = latest_version("sqlite" if target.startswith("sqlite:") else "postgresql")
+    where = f"{_shown(target)}" + (f" (schema {schema})" if schema else "")
+    if installed == 0:
+        typer.echo(f"not installed in {where}; run `toolguard db init`")
+        raise typer.Exit(EXIT_BEHIND)
+    if installed < latest:
+        typer.echo(f"schema version {installed} in {where}, {latest} available; "
+                   f"run `toolguard db init`")
+        raise typer.Exit(EXIT_BEHIND)
+    newer = f" (newer than this toolguard's {latest})" if installed > latest else ""
+    typer.echo(f"schema version {installed}{newer} in {where}")

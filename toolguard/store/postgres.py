@@ -1,0 +1,658 @@
+"""The PostgreSQL guarded store (psycopg 3 + psycopg_pool), sync and asyncio.
+
+All logic that must hold for every client lives in SQL (``toolguard/sql``);
+this module only calls it. A fenced write costs two round trips besides the
+tool's own statements: ``BEGIN`` + ``toolguard_enter(...)`` (every fence, in
+sorted order, and the intent row lock) pipelined together, then
+``toolguard_apply(...)`` + the audit ``INSERT`` + ``COMMIT`` pipelined together.
+
+Connections are autocommit; a fenced write opens its own transaction. With
+``schema=...`` every pooled connection uses that schema alone as its
+``search_path`` (handy for tests and for several installs in one database).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime
+from typing import Any, cast
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import TransactionStatus
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
+
+from toolguard.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    DuplicateIntent,
+    StoreError,
+    ToolGuardError,
+)
+from toolguard.store.base import (
+    AUDIT_COLUMNS,
+    AUDIT_SELECT,
+    AsyncFencedTransaction,
+    AuditEntry,
+    AuditQuery,
+    Begun,
+    FencedTransaction,
+    FencePlan,
+    IntentRecord,
+    IntentStatus,
+    Migration,
+    Replay,
+    afenced_flow,
+    dump_json,
+    error_from_sqlstate,
+    fenced_flow,
+    finite_ms,
+    migrations,
+    schema_missing,
+)
+
+__all__ = ["AsyncPostgresStore", "PostgresStore"]
+
+log = logging.getLogger("toolguard.store")
+
+DIALECT = "postgresql"
+
+INSTALL_LOCK = "SELECT pg_advisory_xact_lock(hashtext('toolguard.install'))"
+VERSION_TABLE = """
+CREATE TABLE IF NOT EXISTS toolguard_schema_version (
+    version integer PRIMARY KEY, name text NOT NULL,
+    installed_at timestamptz NOT NULL DEFAULT now())"""
+RECORD_VERSION = ("INSERT INTO toolguard_schema_version (version, name) VALUES (%s, %s) "
+                  "ON CONFLICT (version) DO NOTHING")
+INSTALLED = "SELECT coalesce(max(version), 0) FROM toolguard_schema_version"
+HAS_VERSION_TABLE = "SELECT to_regclass('toolguard_schema_version') IS NOT NULL"
+
+BEGIN_INTENT = ("SELECT outcome, previous_status, attempts, result FROM toolguard_begin_intent("
+                "%s::text, %s::text, %s::text, %s::text, %s::text[], %s::text)")
+ENTER = ("SELECT applied, result FROM toolguard_enter("
+         "%s::text[], %s::bigint[], %s::text, %s::text, %s::text, %s::text, %s::text, %s::text[])")
+APPLY = "SELECT toolguard_apply(%s::text, %s::jsonb, %s::jsonb)"
+_AUDIT_VALUES = ("%s, %s, %s, %s, %s, %s, %s, %s::text[], %s::jsonb, %s::jsonb, %s, "
+                 "%s::double precision, %s::integer")
+AUDIT_INSERT = (f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) "
+                f"VALUES ({_AUDIT_VALUES}) RETURNING id, at")
+# One statement, so the audit row and the intent's status land together (or not at all).
+FAILURE = (f"WITH failed AS (UPDATE toolguard_intent SET status = %s::text, last_error = %s::text, "
+           f"updated_at = now() WHERE idempotency_key = %s::text AND status <> 'applied' "
+           f"RETURNING 1) "
+           f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) VALUES ({_AUDIT_VALUES})")
+MARK_UNKNOWN = ("UPDATE toolguard_intent SET status = 'unknown', updated_at = now() "
+                "WHERE idempotency_key = %s AND status <> 'applied'")
+HAS_APPLIED = ("SELECT EXISTS (SELECT 1 FROM toolguard_intent WHERE status = 'applied' "
+               "AND tool = %s AND keys @> ARRAY[%s::text] "
+               "AND (%s::text IS NULL OR workflow = %s::text))")
+HIGH_WATERS = "SELECT key, token FROM toolguard_high_water WHERE key = ANY(%s::text[])"
+AUDIT_QUERY = f"SELECT {', '.join(AUDIT_SELECT)} FROM toolguard_audit"
+
+POOL_EXHAUSTED = "the server answers, but the pool had no free connection in time"
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
+#: SQLSTATEs that mean "the server went away" (class 08, admin/crash shutdown, starting up).
+_GONE = ("57P01", "57P02", "57P03")
+
+
+def check_url(url: str) -> None:
+    """Fail early, as a ``ConfigurationError``, on a URL libpq cannot parse."""
+    try:
+        conninfo_to_dict(url)
+    except psycopg.Error as error:
+        msg = f"invalid PostgreSQL URL: {error}"
+        raise ConfigurationError(msg) from error
+
+
+def check_schema(schema: str | None) -> str | None:
+    if schema is not None and not _SCHEMA_NAME.match(schema):
+        msg = f"schema must be a plain SQL identifier, got {schema!r}"
+        raise ConfigurationError(msg)
+    return schema
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def translate(error: BaseException) -> BaseException:
+    """psycopg/pool errors to toolguard's; anything else is returned unchanged."""
+    if isinstance(error, ToolGuardError):
+        return error
+    if isinstance(error, PoolTimeout):
+        return BackendUnavailable(f"postgresql: no connection within the pool timeout: {error}")
+    if not isinstance(error, psycopg.Error):
+        return error
+    state = error.sqlstate
+    mapped = error_from_sqlstate(state, error.diag.message_primary or str(error),
+                                 error.diag.message_detail)
+    if mapped is not None:
+        return mapped
+    if isinstance(error, psycopg.OperationalError) and (
+            state is None or state.startswith("08") or state in _GONE):
+        return BackendUnavailable(f"postgresql: {str(error).strip()}")
+    if isinstance(error, psycopg.InterfaceError) and state is None:
+        return BackendUnavailable(f"postgresql: {str(error).strip()}")
+    if state in ("42P01", "42883", "3F000") and "toolguard_" in str(error):
+        return schema_missing(error)
+    return error
+
+
+def _raise_translated(error: BaseException) -> None:
+    mapped = translate(error)
+    if mapped is error:
+        raise error
+    raise mapped from error
+
+
+def _entry(row: Sequence[Any]) -> AuditEntry:
+    values = dict(zip(AUDIT_SELECT, row, strict=True))
+    values["keys"] = tuple(values["keys"] or ())
+    values["tokens"] = {k: int(v) for k, v in (values["tokens"] or {}).items()}
+    values["duration_ms"] = finite_ms(values["duration_ms"])
+    return AuditEntry(**values)
+
+
+def _begin_params(record: IntentRecord) -> tuple[Any, ...]:
+    if record.idempotency_key is None:
+        msg = f"begin_intent needs an idempotency key (tool {record.tool!r})"
+        raise StoreError(msg, reason="invalid_intent")
+    return (record.idempotency_key, record.tool, record.agent, record.workflow,
+            list(record.keys), record.args_hash)
+
+
+def _begun(key: str, row: Sequence[Any]) -> Begun | Replay:
+    outcome, previous, attempts, result = row
+    if outcome == "replay":
+        return Replay(key, result, int(attempts))
+    return Begun(key, int(attempts), previous)
+
+
+def _enter_params(plan: FencePlan) -> tuple[Any, ...]:
+    intent = plan.intent
+    key = intent.idempotency_key if intent else None
+    if intent is None or key is None:
+        return (list(plan.keys), [plan.tokens[k] for k in plan.keys], None, None, None, None, None,
+                None)
+    return (list(plan.keys), [plan.tokens[k] for k in plan.keys], key, intent.tool, intent.agent,
+            intent.workflow, intent.args_hash, list(intent.keys))
+
+
+def _failure_params(plan: FencePlan, entry: AuditEntry,
+                    status: IntentStatus | None) -> tuple[Any, ...]:
+    key = plan.idempotency_key if status is not None else None
+    return (status, entry.reason, key, *entry.insert_values(DIALECT))
+
+
+def _duplicate(plan: FencePlan, result: Any) -> DuplicateIntent:
+    msg = f"intent {plan.idempotency_key!r} was already applied; returning its recorded result"
+    return DuplicateIntent(msg, result=result)
+
+
+def _ended(tx_status: TransactionStatus) -> StoreError | None:
+    """Why a fenced transaction cannot commit, judged from the connection's state."""
+    if tx_status == TransactionStatus.INTRANS:
+        return None
+    if tx_status == TransactionStatus.INERROR:
+        msg = ("a statement failed inside the fenced transaction and the tool carried on; "
+               "nothing was committed")
+        return StoreError(msg)
+    msg = ("the fenced transaction was ended inside fenced() (a COMMIT or ROLLBACK by the tool); "
+           "the tool must never end it itself")
+    return StoreError(msg, reason="transaction_ended")
+
+
+class _PgBase:
+    dialect = DIALECT
+
+    def __init__(self, url: str, schema: str | None) -> None:
+        check_url(url)
+        self.url = url
+        self.schema = check_schema(schema)
+
+    def _set_path(self) -> sql.Composed | None:
+        if self.schema is None:
+            return None
+        return sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema))
+
+    def _create_schema(self) -> sql.Composed | None:
+        if self.schema is None:
+            return None
+        return sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema))
+
+    def _probe(self) -> str:
+        """Why the server cannot be reached, from one direct connection attempt."""
+        try:
+            psycopg.connect(self.url, connect_timeout=2, autocommit=True).close()
+        except psycopg.Error as error:
+            return str(error).strip()
+        return POOL_EXHAUSTED
+
+    def __repr__(self) -> str:
+        where = f", schema={self.schema!r}" if self.schema else ""
+        return f"{type(self).__name__}({redact(self.url)!r}{where})"
+
+
+# --- sync ---------------------------------------------------------------------------------------
+
+
+class _Session:
+    """The fenced flow's I/O on one pooled connection."""
+
+    def __init__(self, store: PostgresStore, conn: psycopg.Connection[Any]) -> None:
+        self.store = store
+        self.conn = conn
+        self.tx: FencedTransaction | None = None
+
+    def _execute(self, query: str, params: Any) -> psycopg.Cursor[Any]:
+        try:
+            return self.conn.execute(cast(Any, query), params)
+        except psycopg.Error as error:
+            mapped = translate(error)
+            if mapped is error:
+                raise
+            if self.tx is not None and isinstance(mapped, ToolGuardError):
+                self.tx.failure = mapped
+            raise mapped from error
+
+    def enter(self, plan: FencePlan) -> FencedTransaction:
+        conn = self.conn
+        with conn.pipeline():
+            conn.execute("BEGIN")
+            cursor = conn.execute(ENTER, _enter_params(plan))
+        row = cursor.fetchone()
+        assert row is not None
+        if row[0]:
+            raise _duplicate(plan, row[1])
+        self.tx = FencedTransaction(conn, plan, DIALECT, self._execute)
+        return self.tx
+
+    def finish(self, tx: FencedTransaction, entry: AuditEntry) -> None:
+        if tx.failure is not None:
+            raise tx.failure
+        problem = _ended(self.conn.info.transaction_status)
+        if problem is not None:
+            raise problem
+        key = tx.intent.idempotency_key if tx.intent else None
+        with self.conn.pipeline():
+            if key is not None:
+                self.conn.execute(APPLY, (key, tx.result_json, dump_json(dict(tx.tokens))))
+            self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT))
+            self.conn.execute("COMMIT")
+
+    def abort(self, error: BaseException) -> BaseException:
+        conn = self.conn
+        if not conn.closed and conn.info.transaction_status in (TransactionStatus.INTRANS,
+                                                               TransactionStatus.INERROR):
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+        mapped = translate(error)
+        if isinstance(mapped, BackendUnavailable):
+            self.store._forget_dead()
+        return mapped
+
+    def record_failure(self, plan: FencePlan, entry: AuditEntry,
+                       status: IntentStatus | None) -> None:
+        params = _failure_params(plan, entry, status)
+        if not self.conn.closed and self.conn.info.transaction_status == TransactionStatus.IDLE:
+            self.conn.execute(FAILURE, params)
+            return
+        with self.store.connection(timeout=1.0) as other:
+            other.execute(FAILURE, params)
+
+
+class PostgresStore(_PgBase):
+    """The guarded store on PostgreSQL; one pool, shared by every thread of a process."""
+
+    def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
+                 max_size: int = 10, timeout_s: float = 10.0) -> None:
+        super().__init__(url, schema)
+        self._pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+            url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
+            kwargs={"autocommit": True}, configure=self._configure,
+            name=f"toolguard-store{'-' + schema if schema else ''}")
+        self._pool.open(wait=False)
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        statement = self._set_path()
+        if statement is not None:
+            conn.execute(statement)
+
+    def _forget_dead(self) -> None:
+        """After a lost connection, drop the other idle ones that died with it."""
+        with contextlib.suppress(Exception):
+            self._pool.check()
+
+    @contextlib.contextmanager
+    def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled autocommit connection, errors mapped to toolguard's.
+
+        For reads and setup; writes that must be fenced go through ``fenced()``.
+        """
+        try:
+            with self._pool.connection(timeout=timeout) as conn:
+                yield conn
+        except PoolTimeout as error:
+            msg = f"postgresql {redact(self.url)}: no connection: {self._probe()}"
+            raise BackendUnavailable(msg) from error
+        except psycopg.Error as error:
+            mapped = translate(error)
+            if isinstance(mapped, BackendUnavailable):
+                self._forget_dead()
+            _raise_translated(error)
+
+    def install(self, steps: Sequence[Migration] | None = None) -> int:
+        """Create or upgrade the schema; idempotent, serialized by an advisory lock."""
+        steps = tuple(steps) if steps is not None else migrations(DIALECT)
+        with self.connection() as conn, conn.transaction():
+            conn.execute(INSTALL_LOCK)
+            create = self._create_schema()
+            if create is not None:
+                conn.execute(create)
+            conn.execute(VERSION_TABLE)
+            row = conn.execute(INSTALLED).fetchone()
+            installed = int(row[0]) if row else 0
+            for step in steps:
+                if step.version > installed:
+                    log.info("installing toolguard schema %s", step.name)
+                    conn.execute(cast(Any, step.sql))
+                    conn.execute(RECORD_VERSION, (step.version, step.name))
+            row = conn.execute(INSTALLED).fetchone()
+            return int(row[0]) if row else 0
+
+    def schema_version(self) -> int:
+        """The installed schema version (0: not installed)."""
+        with self.connection() as conn:
+            row = conn.execute(HAS_VERSION_TABLE).fetchone()
+            if not row or not row[0]:
+                return 0
+            row = conn.execute(INSTALLED).fetchone()
+            return int(row[0]) if row else 0
+
+    def begin_intent(self, record: IntentRecord) -> Begun | Replay:
+        """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
+        params = _begin_params(record)
+        with self.connection() as conn:
+            row = conn.execute(BEGIN_INTENT, params).fetchone()
+        assert row is not None and record.idempotency_key is not None
+        return _begun(record.idempotency_key, row)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[_Session]:
+        with self.connection() as conn:
+            yield _Session(self, conn)
+
+    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+               detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
+        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing."""
+        return fenced_flow(self._session(), tokens, intent, detail)
+
+    def audit(self, entry: AuditEntry) -> AuditEntry:
+        """Append one audit row (for decisions taken outside a fenced write)."""
+        with self.connection() as conn:
+            row = conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchone()
+        assert row is not None
+        return replace(entry, id=int(row[0]), at=row[1])
+
+    def mark_unknown(self, idempotency_key: str) -> bool:
+        """Record that a call was cancelled mid-flight; never touches an applied intent."""
+        with self.connection() as conn:
+            return conn.execute(MARK_UNKNOWN, (idempotency_key,)).rowcount > 0
+
+    def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
+        """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
+        with self.connection() as conn:
+            row = conn.execute(HAS_APPLIED, (tool, resource_key, workflow, workflow)).fetchone()
+        return bool(row and row[0])
+
+    def high_water(self, key: str) -> int:
+        """The greatest token accepted for ``key`` (0 if none)."""
+        return self.high_waters([key]).get(key, 0)
+
+    def high_waters(self, keys: Iterable[str]) -> dict[str, int]:
+        """High-water marks of several keys in one query (absent keys are omitted)."""
+        with self.connection() as conn:
+            rows = conn.execute(HIGH_WATERS, (list(keys),)).fetchall()
+        return {key: int(token) for key, token in rows}
+
+    def query_audit(self, **filters: Any) -> list[AuditEntry]:
+        """Audit rows matching ``filters`` (see ``AuditQuery``), newest first by default."""
+        query = AuditQuery(**filters)
+        where, params = query.where(DIALECT, _moment)
+        tail, more = query.tail()
+        with self.connection() as conn:
+            rows = conn.execute(cast(Any, AUDIT_QUERY + where + tail), [*params, *more]).fetchall()
+        return [_entry(row) for row in rows]
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> PostgresStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _moment(value: datetime) -> datetime:
+    return value
+
+
+# --- asyncio ------------------------------------------------------------------------------------
+
+
+class _AsyncSession:
+    """The fenced flow's I/O on one pooled async connection."""
+
+    def __init__(self, store: AsyncPostgresStore, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.store = store
+        self.conn = conn
+        self.tx: AsyncFencedTransaction | None = None
+
+    async def _execute(self, query: str, params: Any) -> psycopg.AsyncCursor[Any]:
+        try:
+            return await self.conn.execute(cast(Any, query), params)
+        except psycopg.Error as error:
+            mapped = translate(error)
+            if mapped is error:
+                raise
+            if self.tx is not None and isinstance(mapped, ToolGuardError):
+                self.tx.failure = mapped
+            raise mapped from error
+
+    async def enter(self, plan: FencePlan) -> AsyncFencedTransaction:
+        conn = self.conn
+        async with conn.pipeline():
+            await conn.execute("BEGIN")
+            cursor = await conn.execute(ENTER, _enter_params(plan))
+        row = await cursor.fetchone()
+        assert row is not None
+        if row[0]:
+            raise _duplicate(plan, row[1])
+        self.tx = AsyncFencedTransaction(conn, plan, DIALECT, self._execute)
+        return self.tx
+
+    async def finish(self, tx: AsyncFencedTransaction, entry: AuditEntry) -> None:
+        if tx.failure is not None:
+            raise tx.failure
+        problem = _ended(self.conn.info.transaction_status)
+        if problem is not None:
+            raise problem
+        key = tx.intent.idempotency_key if tx.intent else None
+        async with self.conn.pipeline():
+            if key is not None:
+                await self.conn.execute(APPLY, (key, tx.result_json, dump_json(dict(tx.tokens))))
+            await self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT))
+            await self.conn.execute("COMMIT")
+
+    async def abort(self, error: BaseException) -> BaseException:
+        conn = self.conn
+        if not conn.closed and conn.info.transaction_status in (TransactionStatus.INTRANS,
+                                                               TransactionStatus.INERROR):
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute("ROLLBACK")
+        mapped = translate(error)
+        if isinstance(mapped, BackendUnavailable):
+            await self.store._forget_dead()
+        return mapped
+
+    async def record_failure(self, plan: FencePlan, entry: AuditEntry,
+                             status: IntentStatus | None) -> None:
+        params = _failure_params(plan, entry, status)
+        if not self.conn.closed and self.conn.info.transaction_status == TransactionStatus.IDLE:
+            await self.conn.execute(FAILURE, params)
+            return
+        async with self.store.connection(timeout=1.0) as other:
+            await other.execute(FAILURE, params)
+
+
+class AsyncPostgresStore(_PgBase):
+    """The asyncio guarded store on PostgreSQL; the pool opens on first use."""
+
+    def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
+                 max_size: int = 10, timeout_s: float = 10.0) -> None:
+        super().__init__(url, schema)
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+            url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
+            kwargs={"autocommit": True}, configure=self._configure,
+            name=f"toolguard-astore{'-' + schema if schema else ''}")
+        self._opened = False
+
+    async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        statement = self._set_path()
+        if statement is not None:
+            await conn.execute(statement)
+
+    async def _aprobe(self) -> str:
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.url, connect_timeout=2,
+                                                         autocommit=True)
+        except psycopg.Error as error:
+            return str(error).strip()
+        await conn.close()
+        return POOL_EXHAUSTED
+
+    async def _forget_dead(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._pool.check()
+
+    @contextlib.asynccontextmanager
+    async def connection(self, timeout: float | None = None
+                         ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pooled autocommit async connection, errors mapped to toolguard's."""
+        if not self._opened:
+            await self._pool.open(wait=False)
+            self._opened = True
+        try:
+            async with self._pool.connection(timeout=timeout) as conn:
+                yield conn
+        except PoolTimeout as error:
+            msg = f"postgresql {redact(self.url)}: no connection: {await self._aprobe()}"
+            raise BackendUnavailable(msg) from error
+        except psycopg.Error as error:
+            if isinstance(translate(error), BackendUnavailable):
+                await self._forget_dead()
+            _raise_translated(error)
+
+    async def install(self, steps: Sequence[Migration] | None = None) -> int:
+        """Create or upgrade the schema; idempotent, serialized by an advisory lock."""
+        steps = tuple(steps) if steps is not None else migrations(DIALECT)
+        async with self.connection() as conn, conn.transaction():
+            await conn.execute(INSTALL_LOCK)
+            create = self._create_schema()
+            if create is not None:
+                await conn.execute(create)
+            await conn.execute(VERSION_TABLE)
+            row = await (await conn.execute(INSTALLED)).fetchone()
+            installed = int(row[0]) if row else 0
+            for step in steps:
+                if step.version > installed:
+                    log.info("installing toolguard schema %s", step.name)
+                    await conn.execute(cast(Any, step.sql))
+                    await conn.execute(RECORD_VERSION, (step.version, step.name))
+            row = await (await conn.execute(INSTALLED)).fetchone()
+            return int(row[0]) if row else 0
+
+    async def schema_version(self) -> int:
+        """The installed schema version (0: not installed)."""
+        async with self.connection() as conn:
+            row = await (await conn.execute(HAS_VERSION_TABLE)).fetchone()
+            if not row or not row[0]:
+                return 0
+            row = await (await conn.execute(INSTALLED)).fetchone()
+            return int(row[0]) if row else 0
+
+    async def begin_intent(self, record: IntentRecord) -> Begun | Replay:
+        """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
+        params = _begin_params(record)
+        async with self.connection() as conn:
+            row = await (await conn.execute(BEGIN_INTENT, params)).fetchone()
+        assert row is not None and record.idempotency_key is not None
+        return _begun(record.idempotency_key, row)
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[_AsyncSession]:
+        async with self.connection() as conn:
+            yield _AsyncSession(self, conn)
+
+    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+               detail: str | None = None
+               ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
+        """``async with store.fenced(tokens, intent) as tx``: as ``PostgresStore.fenced``."""
+        return afenced_flow(self._session(), tokens, intent, detail)
+
+    async def audit(self, entry: AuditEntry) -> AuditEntry:
+        """Append one audit row (for decisions taken outside a fenced write)."""
+        async with self.connection() as conn:
+            row = await (await conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT))).fetchone()
+        assert row is not None
+        return replace(entry, id=int(row[0]), at=row[1])
+
+    async def mark_unknown(self, idempotency_key: str) -> bool:
+        """Record that a call was cancelled mid-flight; never touches an applied intent."""
+        async with self.connection() as conn:
+            return (await conn.execute(MARK_UNKNOWN, (idempotency_key,))).rowcount > 0
+
+    async def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
+        """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
+        async with self.connection() as conn:
+            cursor = await conn.execute(HAS_APPLIED, (tool, resource_key, workflow, workflow))
+            row = await cursor.fetchone()
+        return bool(row and row[0])
+
+    async def high_water(self, key: str) -> int:
+        """The greatest token accepted for ``key`` (0 if none)."""
+        return (await self.high_waters([key])).get(key, 0)
+
+    async def high_waters(self, keys: Iterable[str]) -> dict[str, int]:
+        """High-water marks of several keys in one query (absent keys are omitted)."""
+        async with self.connection() as conn:
+            rows = await (await conn.execute(HIGH_WATERS, (list(keys),))).fetchall()
+        return {key: int(token) for key, token in rows}
+
+    async def query_audit(self, **filters: Any) -> list[AuditEntry]:
+        """Audit rows matching ``filters`` (see ``AuditQuery``), newest first by default."""
+        query = AuditQuery(**filters)
+        where, params = query.where(DIALECT, _moment)
+        tail, more = query.tail()
+        async with self.connection() as conn:
+            cursor = await conn.execute(cast(Any, AUDIT_QUERY + where + tail), [*params, *more])
+            rows = await cursor.fetchall()
+        return [_entry(row) for row in rows]
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    aclose = close
+
+    async def __aenter__(self) -> AsyncPostgresStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,218 @@
+"""Getting progress back after the lock server lost its tokens, without ever accepting a stale write.
+
+Tokens are hybrid-clock values, so a Redis restarted empty normally keeps
+issuing larger tokens. If its clock went backwards (or its counter was reset
+some other way) it issues tokens *below* the store's high-water marks: every
+write is then rejected, safely but forever. The store's high-water marks are
+the durable memory: ``reseed`` raises the lock server's floor to them.
+
+How to tell a regressed lock server from a genuinely stale holder: a
+``StaleFencingToken`` for a token of a lease that is still held (not lost) means
+the lock server misbehaved. Either it handed out a token below one it handed
+out before (clock or counter regression), or it lost this lease's lock and
+granted it again before the renewal loop noticed (data loss). A well-behaved
+server cannot cause it: a newer holder needs this lease to expire first, and
+the lease's local deadline passes before the server's. Either way the attempt
+was rolled back, so ``run_fenced`` re-seeds and retries once with a fresh
+lease (the body runs again and re-reads inside its transaction). A lost
+lease means someone newer may have written: that rejection stands.
+
+Re-seeding never weakens safety: the store keeps rejecting every token below
+its high-water mark whatever the lock server does; the floor only lets new
+grants clear it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from toolguard.errors import BackendUnavailable, DuplicateIntent, StaleFencingToken, ToolGuardError
+from toolguard.locks.base import canonical_keys
+from toolguard.store.base import (
+    AsyncFencedTransaction,
+    AsyncGuardedStore,
+    AuditEntry,
+    FencedTransaction,
+    GuardedStore,
+    IntentRecord,
+    Replay,
+)
+
+if TYPE_CHECKING:
+    from toolguard.locks import AsyncLockManager, Lease, LockManager
+
+__all__ = [
+    "Outcome",
+    "areseed",
+    "arun_fenced",
+    "lock_regressed",
+    "reseed",
+    "run_fenced",
+]
+
+log = logging.getLogger("toolguard.store")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[T]):
+    """What ``run_fenced`` did.
+
+    ``value`` is the recorded result (the body's return value unless it called
+    ``tx.record``); on a replay it is the result recorded by the earlier run.
+    ``reseeded`` is true when the first attempt met a regressed lock server.
+    """
+
+    value: T
+    replayed: bool = False
+    tokens: Mapping[str, int] = field(default_factory=dict)
+    reseeded: bool = False
+
+
+def lock_regressed(lease: Lease, error: StaleFencingToken) -> bool:
+    """True if ``error`` rejected a token of ``lease`` while the lease is still held.
+
+    Only a lock server that went backwards or lost its data can cause that; a
+    lost lease, or a token that is not this lease's, means a genuine stale write.
+    """
+    if lease.lost or lease.released:
+        return False
+    token = lease.tokens.get(error.key)
+    return token is not None and (error.token is None or error.token == token)
+
+
+def _raise_floors(raise_floor: Callable[[str, int], Any], floors: Mapping[str, int]) -> None:
+    for key, token in floors.items():
+        try:
+            raise_floor(key, token)
+        except ToolGuardError:
+            raise
+        except Exception as error:  # e.g. a redis ConnectionError: the server is away again
+            msg = f"could not re-seed lock {key!r} to {token}: {error}"
+            raise BackendUnavailable(msg) from error
+
+
+def reseed(locks: LockManager, store: GuardedStore, keys: str | Iterable[str]) -> dict[str, int]:
+    """Raise the lock server's floor for ``keys`` to the store's high-water marks.
+
+    Afterwards every token granted for those keys is above everything the
+    store accepted. Returns the floors that were set (keys the store has never
+    fenced are skipped). Safe to call at any time, e.g. at start-up.
+    """
+    floors = store.high_waters(canonical_keys(keys))
+    _raise_floors(locks.raise_floor, floors)
+    if floors:
+        log.warning("re-seeded lock tokens from the store: %s", floors)
+    return floors
+
+
+async def areseed(locks: AsyncLockManager, store: AsyncGuardedStore,
+                  keys: str | Iterable[str]) -> dict[str, int]:
+    """The asyncio twin of ``reseed``."""
+    floors = await store.high_waters(canonical_keys(keys))
+    for key, token in floors.items():
+        try:
+            await locks.raise_floor(key, token)
+        except ToolGuardError:
+            raise
+        except Exception as error:
+            msg = f"could not re-seed lock {key!r} to {token}: {error}"
+            raise BackendUnavailable(msg) from error
+    if floors:
+        log.warning("re-seeded lock tokens from the store: %s", floors)
+    return floors
+
+
+def _replay_entry(intent: IntentRecord, keys: tuple[str, ...], detail: str) -> AuditEntry:
+    return AuditEntry(decision="replayed", reason="duplicate", tool=intent.tool, agent=intent.agent,
+                      intent_id=intent.intent_id, idempotency_key=intent.idempotency_key,
+                      workflow=intent.workflow, keys=keys, args=intent.args, detail=detail,
+                      node_attempt=intent.node_attempt)
+
+
+def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str],
+               body: Callable[[FencedTransaction], T], *, intent: IntentRecord | None = None,
+               ttl_ms: int | None = None, timeout_s: float | None = None,
+               reseed_on_regression: bool = True) -> Outcome[Any]:
+    """Lock ``keys``, run ``body(tx)`` in one fenced transaction, release.
+
+    The body's return value is recorded as the intent's result (it must be
+    JSON) unless the body called ``tx.record``. With an idempotency key, an
+    intent applied before is not run again: its recorded result comes back as
+    ``Outcome(replayed=True)`` (audited as ``replayed``). A
+    ``StaleFencingToken`` under a lease that is still held means the lock
+    server regressed: re-seed from the store and retry once.
+    Every other error propagates (already audited by the store).
+    """
+    ordered = canonical_keys(keys)
+    if intent is not None and intent.idempotency_key is not None:
+        begun = store.begin_intent(intent)
+        if isinstance(begun, Replay):
+            store.audit(_replay_entry(intent, ordered, f"replayed (attempts: {begun.attempts})"))
+            return Outcome(begun.result, replayed=True)
+    for attempt in (1, 2):
+        lease = locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s)
+        try:
+            with store.fenced(lease.tokens, intent) as tx:
+                tx.lease = lease
+                value = body(tx)
+                if not tx.recorded:
+                    tx.record(value)
+            return Outcome(tx.result, tokens=dict(lease.tokens), reseeded=attempt > 1)
+        except DuplicateIntent as duplicate:
+            return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
+                           reseeded=attempt > 1)
+        except StaleFencingToken as stale:
+            if attempt > 1 or not reseed_on_regression or not lock_regressed(lease, stale):
+                raise
+            log.warning("lock server issued %s for %s below the store's %s: re-seeding",
+                        stale.token, stale.key, stale.current)
+            reseed(locks, store, ordered)
+        finally:
+            with contextlib.suppress(Exception):
+                lease.release()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
+                      keys: str | Iterable[str],
+                      body: Callable[[AsyncFencedTransaction], Awaitable[T]], *,
+                      intent: IntentRecord | None = None, ttl_ms: int | None = None,
+                      timeout_s: float | None = None,
+                      reseed_on_regression: bool = True) -> Outcome[Any]:
+    """The asyncio twin of ``run_fenced``; ``body`` is a coroutine function."""
+    ordered = canonical_keys(keys)
+    if intent is not None and intent.idempotency_key is not None:
+        begun = await store.begin_intent(intent)
+        if isinstance(begun, Replay):
+            await store.audit(_replay_entry(intent, ordered,
+                                            f"replayed (attempts: {begun.attempts})"))
+            return Outcome(begun.result, replayed=True)
+    for attempt in (1, 2):
+        lease = await locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s)
+        try:
+            async with store.fenced(lease.tokens, intent) as tx:
+                tx.lease = lease
+                value = await body(tx)
+                if not tx.recorded:
+                    tx.record(value)
+            return Outcome(tx.result, tokens=dict(lease.tokens), reseeded=attempt > 1)
+        except DuplicateIntent as duplicate:
+            return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
+                           reseeded=attempt > 1)
+        except StaleFencingToken as stale:
+            if attempt > 1 or not reseed_on_regression or not lock_regressed(lease, stale):
+                raise
+            log.warning("lock server issued %s for %s below the store's %s: re-seeding",
+                        stale.token, stale.key, stale.current)
+            await areseed(locks, store, ordered)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(lease.arelease())
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,626 @@
+"""The SQLite guarded store: the embedded default, same semantics as PostgreSQL.
+
+A fenced write is one ``BEGIN IMMEDIATE`` transaction: SQLite then holds the
+database's single write lock until ``COMMIT``, so fenced writes are serialized
+outright, and the fence check-and-advance is one upsert per key (in sorted
+order) that returns nothing when the token is stale. The tables, triggers and
+statuses mirror ``toolguard/sql/001_initial.sql`` (see ``sql/sqlite``).
+
+Keep fenced bodies short: while one runs, every other writer of the file
+waits, including a SQLite lock backend that shares the file (the embedded
+default) and its lease renewals. For the same reason a fenced body must not
+call another writing operation of the store or of such a lock backend itself:
+that call waits for the body's own write lock until the busy timeout and
+fails with ``BackendUnavailable``.
+
+The asyncio twin runs each step in a worker thread; a fenced write keeps one
+connection and one worker thread for its whole life, so its statements run in
+order even when the awaiting task is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from toolguard.errors import (
+    AuditAppendOnly,
+    BackendUnavailable,
+    ConfigurationError,
+    DuplicateIntent,
+    IdempotencyConflict,
+    StaleFencingToken,
+    StoreError,
+    ToolGuardError,
+)
+from toolguard.store.base import (
+    AUDIT_COLUMNS,
+    AUDIT_SELECT,
+    AsyncFencedTransaction,
+    AuditEntry,
+    AuditQuery,
+    Begun,
+    FencedTransaction,
+    FencePlan,
+    IntentRecord,
+    IntentStatus,
+    Migration,
+    Replay,
+    afenced_flow,
+    dump_json,
+    fenced_flow,
+    finite_ms,
+    migrations,
+    qmark,
+    schema_missing,
+)
+
+__all__ = ["AsyncSqliteStore", "SqliteStore"]
+
+log = logging.getLogger("toolguard.store")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+DIALECT = "sqlite"
+NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
+
+VERSION_TABLE = f"""
+CREATE TABLE IF NOT EXISTS toolguard_schema_version (
+    version INTEGER PRIMARY KEY, name TEXT NOT NULL,
+    installed_at TEXT NOT NULL DEFAULT ({NOW}))"""
+INSTALLED = "SELECT coalesce(max(version), 0) FROM toolguard_schema_version"
+FENCE = (f"INSERT INTO toolguard_high_water (key, token) VALUES (?, ?) ON CONFLICT (key) "
+         f"DO UPDATE SET token = excluded.token, updated_at = {NOW} "
+         f"WHERE toolguard_high_water.token <= excluded.token RETURNING token")
+INTENT_ROW = ("SELECT tool, args_hash, status, attempts, result FROM toolguard_intent "
+              "WHERE idempotency_key = ?")
+NEW_INTENT = ("INSERT INTO toolguard_intent (idempotency_key, tool, agent, workflow, keys, args_hash) "
+              "VALUES (?, ?, ?, ?, ?, ?)")
+RETRY_INTENT = (f"UPDATE toolguard_intent SET status = 'pending', attempts = attempts + 1, "
+                f"updated_at = {NOW} WHERE idempotency_key = ?")
+APPLY = (f"UPDATE toolguard_intent SET status = 'applied', result = ?, tokens = ?, last_error = NULL, "
+         f"applied_at = {NOW}, updated_at = {NOW} WHERE idempotency_key = ? AND status <> 'applied'")
+FAIL_INTENT = (f"UPDATE toolguard_intent SET status = ?, last_error = ?, updated_at = {NOW} "
+               f"WHERE idempotency_key = ? AND status <> 'applied'")
+AUDIT_INSERT = (f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) "
+                f"VALUES ({', '.join('?' * len(AUDIT_COLUMNS))}) RETURNING id, at")
+MARK_UNKNOWN = (f"UPDATE toolguard_intent SET status = 'unknown', updated_at = {NOW} "
+                f"WHERE idempotency_key = ? AND status <> 'applied'")
+HAS_APPLIED = ("SELECT EXISTS (SELECT 1 FROM toolguard_intent WHERE status = 'applied' AND tool = ? "
+               "AND EXISTS (SELECT 1 FROM json_each(toolguard_intent.keys) WHERE json_each.value = ?) "
+               "AND (? IS NULL OR workflow = ?))")
+AUDIT_QUERY = f"SELECT {', '.join(AUDIT_SELECT)} FROM toolguard_audit"
+
+_APPEND_ONLY = "toolguard_audit is append-only"
+
+
+def translate(error: BaseException) -> BaseException:
+    """sqlite3 errors to toolguard's; anything else is returned unchanged."""
+    if not isinstance(error, sqlite3.Error):
+        return error
+    text = str(error)
+    if _APPEND_ONLY in text:
+        return AuditAppendOnly(text)
+    if isinstance(error, sqlite3.OperationalError):
+        if "no such table: toolguard_" in text:
+            return schema_missing(error)
+        if "locked" in text or "busy" in text or "unable to open" in text or "disk I/O" in text:
+            return BackendUnavailable(f"sqlite: {text}")
+    return error
+
+
+def _raise_translated(error: BaseException) -> None:
+    mapped = translate(error)
+    if mapped is error:
+        raise error
+    raise mapped from error
+
+
+def _iso(moment: datetime) -> str:
+    """The ``at`` column's text form (UTC, milliseconds), so text order is time order."""
+    utc = moment.astimezone(UTC)
+    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _entry(row: Sequence[Any]) -> AuditEntry:
+    values = dict(zip(AUDIT_SELECT, row, strict=True))
+    values["at"] = datetime.fromisoformat(values["at"]) if values["at"] else None
+    values["keys"] = tuple(_loads(values["keys"]) or ())
+    values["tokens"] = {k: int(v) for k, v in (_loads(values["tokens"]) or {}).items()}
+    values["args"] = _loads(values["args"])
+    values["duration_ms"] = finite_ms(values["duration_ms"])
+    return AuditEntry(**values)
+
+
+def _conflict(key: str, tool: str) -> IdempotencyConflict:
+    msg = f"idempotency key {key} was already used for {tool} with other arguments"
+    return IdempotencyConflict(msg)
+
+
+class _Connections:
+    """A small thread-safe pool of autocommit connections to one file (per process)."""
+
+    def __init__(self, path: str, busy_timeout_ms: int, synchronous: str) -> None:
+        self.path = path
+        self.busy_timeout_ms = busy_timeout_ms
+        self.synchronous = synchronous
+        self._idle: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
+                                   isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={self.synchronous}")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.Error as error:
+            msg = f"sqlite {self.path}: {error}"
+            raise BackendUnavailable(msg) from error
+        return conn
+
+    def take(self) -> sqlite3.Connection:
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's connections are not ours
+                self._idle, self._pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return self._open()
+
+    def give(self, conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        with self._lock:
+            if self._pid == os.getpid():
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+
+
+class _Session:
+    """The fenced flow's I/O on one connection (used from one thread at a time)."""
+
+    def __init__(self, store: SqliteStore, conn: sqlite3.Connection) -> None:
+        self.store = store
+        self.conn = conn
+        self.tx: FencedTransaction | AsyncFencedTransaction | None = None
+
+    def execute(self, query: str, params: Any) -> sqlite3.Cursor:
+        try:
+            if params is None:
+                return self.conn.execute(query)
+            return self.conn.execute(qmark(query), params)
+        except sqlite3.Error as error:
+            mapped = translate(error)
+            if mapped is error:
+                raise
+            if self.tx is not None and isinstance(mapped, ToolGuardError):
+                self.tx.failure = mapped
+            raise mapped from error
+
+    def begin(self, plan: FencePlan) -> None:
+        """BEGIN IMMEDIATE, every fence in sorted order, then the intent row."""
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        for key in plan.keys:
+            token = plan.tokens[key]
+            if not conn.execute(FENCE, (key, token)).fetchall():
+                row = conn.execute("SELECT token FROM toolguard_high_water WHERE key = ?",
+                                   (key,)).fetchone()
+                current = int(row[0]) if row else None
+                msg = (f"stale fencing token {token} for key {key}: the store has already "
+                       f"seen {current}")
+                raise StaleFencingToken(msg, key=key, token=token, current=current)
+        intent = plan.intent
+        if intent is None or intent.idempotency_key is None:
+            return
+        row = conn.execute(INTENT_ROW, (intent.idempotency_key,)).fetchone()
+        if row is None:
+            conn.execute(NEW_INTENT, (intent.idempotency_key, intent.tool, intent.agent,
+                                      intent.workflow, dump_json(list(intent.keys or plan.keys)),
+                                      intent.args_hash))
+            return
+        tool, args_hash, status, _, result = row
+        if tool != intent.tool or args_hash != intent.args_hash:
+            raise _conflict(intent.idempotency_key, tool)
+        if status == "applied":
+            msg = (f"intent {intent.idempotency_key!r} was already applied; "
+                   f"returning its recorded result")
+            raise DuplicateIntent(msg, result=_loads(result))
+
+    def enter(self, plan: FencePlan) -> FencedTransaction:
+        self.begin(plan)
+        tx = FencedTransaction(self.conn, plan, DIALECT, self.execute)
+        self.tx = tx
+        return tx
+
+    def commit(self, tx: FencedTransaction | AsyncFencedTransaction, entry: AuditEntry) -> None:
+        if tx.failure is not None:
+            raise tx.failure
+        if not self.conn.in_transaction:
+            msg = ("the fenced transaction was ended inside fenced() (a COMMIT or ROLLBACK by "
+                   "the tool); the tool must never end it itself")
+            raise StoreError(msg, reason="transaction_ended")
+        key = tx.intent.idempotency_key if tx.intent else None
+        if key is not None:
+            self.conn.execute(APPLY, (tx.result_json, dump_json(dict(tx.tokens)), key))
+        self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
+        self.conn.execute("COMMIT")
+
+    def finish(self, tx: FencedTransaction, entry: AuditEntry) -> None:
+        self.commit(tx, entry)
+
+    def abort(self, error: BaseException) -> BaseException:
+        if self.conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.execute("ROLLBACK")
+        return translate(error)
+
+    def record_failure(self, plan: FencePlan, entry: AuditEntry,
+                       status: IntentStatus | None) -> None:
+        self.store._record_failure(self.conn, plan, entry, status)
+
+
+class SqliteStore:
+    """The guarded store in one SQLite file, shared by every process on the machine."""
+
+    dialect = DIALECT
+
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 30_000,
+                 synchronous: str = "NORMAL") -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            try:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                msg = f"sqlite {self.path}: cannot create its directory: {error}"
+                raise BackendUnavailable(msg) from error
+        if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            msg = f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}"
+            raise ConfigurationError(msg)
+        self._connections = _Connections(self.path, busy_timeout_ms, synchronous.upper())
+
+    def __repr__(self) -> str:
+        return f"SqliteStore({self.path!r})"
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        """An autocommit connection, errors mapped to toolguard's.
+
+        For reads and setup; writes that must be fenced go through ``fenced()``.
+        """
+        conn = self._connections.take()
+        try:
+            yield conn
+        except sqlite3.Error as error:
+            _raise_translated(error)
+        finally:
+            self._connections.give(conn)
+
+    @contextlib.contextmanager
+    def _immediate(self) -> Iterator[sqlite3.Connection]:
+        """One ``BEGIN IMMEDIATE`` transaction: committed on success, rolled back on error."""
+        with self.connection() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def install(self, steps: Sequence[Migration] | None = None) -> int:
+        """Create or upgrade the schema; idempotent, serialized by the write lock."""
+        steps = tuple(steps) if steps is not None else migrations(DIALECT)
+        with self._immediate() as conn:
+            conn.execute(VERSION_TABLE)
+            installed = int(conn.execute(INSTALLED).fetchone()[0])
+            for step in steps:
+                if step.version > installed:
+                    log.info("installing toolguard schema %s (sqlite)", step.name)
+                    for statement in _statements(step.sql):
+                        conn.execute(statement)
+                    conn.execute("INSERT OR IGNORE INTO toolguard_schema_version (version, name) "
+                                 "VALUES (?, ?)", (step.version, step.name))
+            return int(conn.execute(INSTALLED).fetchone()[0])
+
+    def schema_version(self) -> int:
+        """The installed schema version (0: not installed)."""
+        with self.connection() as conn:
+            present = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                                   "AND name = 'toolguard_schema_version'").fetchone()
+            if present is None:
+                return 0
+            return int(conn.execute(INSTALLED).fetchone()[0])
+
+    def begin_intent(self, record: IntentRecord) -> Begun | Replay:
+        """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
+        key = record.idempotency_key
+        if key is None:
+            msg = f"begin_intent needs an idempotency key (tool {record.tool!r})"
+            raise StoreError(msg, reason="invalid_intent")
+        with self._immediate() as conn:
+            row = conn.execute(INTENT_ROW, (key,)).fetchone()
+            if row is None:
+                conn.execute(NEW_INTENT, (key, record.tool, record.agent, record.workflow,
+                                          dump_json(list(record.keys)), record.args_hash))
+                return Begun(key, 1, None)
+            tool, args_hash, status, attempts, result = row
+            if tool != record.tool or args_hash != record.args_hash:
+                raise _conflict(key, tool)
+            if status == "applied":
+                return Replay(key, _loads(result), int(attempts))
+            conn.execute(RETRY_INTENT, (key,))
+            return Begun(key, int(attempts) + 1, status)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[_Session]:
+        with self.connection() as conn:
+            yield _Session(self, conn)
+
+    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+               detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
+        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing."""
+        return fenced_flow(self._session(), tokens, intent, detail)
+
+    def _record_failure(self, conn: sqlite3.Connection, plan: FencePlan, entry: AuditEntry,
+                        status: IntentStatus | None) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if status is not None and plan.idempotency_key is not None:
+                conn.execute(FAIL_INTENT, (status, entry.reason, plan.idempotency_key))
+            conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def audit(self, entry: AuditEntry) -> AuditEntry:
+        """Append one audit row (for decisions taken outside a fenced write)."""
+        with self.connection() as conn:
+            (row,) = conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
+        return replace(entry, id=int(row[0]), at=datetime.fromisoformat(row[1]))
+
+    def mark_unknown(self, idempotency_key: str) -> bool:
+        """Record that a call was cancelled mid-flight; never touches an applied intent."""
+        with self.connection() as conn:
+            return conn.execute(MARK_UNKNOWN, (idempotency_key,)).rowcount > 0
+
+    def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
+        """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
+        with self.connection() as conn:
+            row = conn.execute(HAS_APPLIED, (tool, resource_key, workflow, workflow)).fetchone()
+        return bool(row and row[0])
+
+    def high_water(self, key: str) -> int:
+        """The greatest token accepted for ``key`` (0 if none)."""
+        return self.high_waters([key]).get(key, 0)
+
+    def high_waters(self, keys: Iterable[str]) -> dict[str, int]:
+        """High-water marks of several keys in one query (absent keys are omitted)."""
+        wanted = list(keys)
+        if not wanted:
+            return {}
+        with self.connection() as conn:
+            rows = conn.execute("SELECT key, token FROM toolguard_high_water WHERE key IN "
+                                "(SELECT value FROM json_each(?))", (dump_json(wanted),)).fetchall()
+        return {key: int(token) for key, token in rows}
+
+    def query_audit(self, **filters: Any) -> list[AuditEntry]:
+        """Audit rows matching ``filters`` (see ``AuditQuery``), newest first by default."""
+        query = AuditQuery(**filters)
+        where, params = query.where(DIALECT, _iso)
+        tail, more = query.tail()
+        with self.connection() as conn:
+            rows = conn.execute(qmark(AUDIT_QUERY + where + tail), [*params, *more]).fetchall()
+        return [_entry(row) for row in rows]
+
+    def close(self) -> None:
+        self._connections.close()
+
+    def __enter__(self) -> SqliteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _statements(script: str) -> Iterator[str]:
+    """Split a script into statements (triggers keep their inner ``;``), dropping comments."""
+    buffer = ""
+    for line in script.splitlines(keepends=True):
+        if not buffer and (not line.strip() or line.lstrip().startswith("--")):
+            continue
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            yield buffer.strip()
+            buffer = ""
+    if buffer.strip():
+        yield buffer.strip()
+
+
+# --- asyncio ------------------------------------------------------------------------------------
+
+
+class _Worker:
+    """One thread running one connection's steps in order (a fenced write's whole life)."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolguard-sqlite")
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False)
+
+
+class _Rows:
+    """An async cursor over rows already fetched in the worker thread."""
+
+    def __init__(self, cursor: sqlite3.Cursor) -> None:
+        self.description = cursor.description
+        self.rowcount = cursor.rowcount
+        self.lastrowid = cursor.lastrowid
+        self._rows = cursor.fetchall() if cursor.description else []
+        self._at = 0
+
+    async def fetchone(self) -> Any:
+        if self._at >= len(self._rows):
+            return None
+        self._at += 1
+        return self._rows[self._at - 1]
+
+    async def fetchall(self) -> list[Any]:
+        rows, self._at = self._rows[self._at:], len(self._rows)
+        return rows
+
+    async def fetchmany(self, size: int = 1) -> list[Any]:
+        rows = self._rows[self._at:self._at + size]
+        self._at += len(rows)
+        return rows
+
+
+class _AsyncSession:
+    """The sync session's steps, each run on the write's own worker thread."""
+
+    def __init__(self, sync: _Session, worker: _Worker) -> None:
+        self.sync = sync
+        self.worker = worker
+
+    def _execute_rows(self, query: str, params: Any) -> _Rows:
+        return _Rows(self.sync.execute(query, params))
+
+    async def _execute(self, query: str, params: Any) -> _Rows:
+        return await self.worker.run(self._execute_rows, query, params)
+
+    async def enter(self, plan: FencePlan) -> AsyncFencedTransaction:
+        await self.worker.run(self.sync.begin, plan)
+        tx = AsyncFencedTransaction(self.sync.conn, plan, DIALECT, self._execute)
+        self.sync.tx = tx
+        return tx
+
+    async def finish(self, tx: AsyncFencedTransaction, entry: AuditEntry) -> None:
+        await self.worker.run(self.sync.commit, tx, entry)
+
+    async def abort(self, error: BaseException) -> BaseException:
+        return await asyncio.shield(self.worker.run(self.sync.abort, error))
+
+    async def record_failure(self, plan: FencePlan, entry: AuditEntry,
+                             status: IntentStatus | None) -> None:
+        await asyncio.shield(self.worker.run(self.sync.record_failure, plan, entry, status))
+
+
+class AsyncSqliteStore:
+    """The asyncio face of ``SqliteStore``: every call runs in a worker thread."""
+
+    dialect = DIALECT
+
+    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+        self.sync = SqliteStore(path, **options)
+        self.path = self.sync.path
+
+    def __repr__(self) -> str:
+        return f"AsyncSqliteStore({self.path!r})"
+
+    async def install(self, steps: Sequence[Migration] | None = None) -> int:
+        """Create or upgrade the schema; idempotent."""
+        return await asyncio.to_thread(self.sync.install, steps)
+
+    async def schema_version(self) -> int:
+        """The installed schema version (0: not installed)."""
+        return await asyncio.to_thread(self.sync.schema_version)
+
+    async def begin_intent(self, record: IntentRecord) -> Begun | Replay:
+        """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
+        return await asyncio.to_thread(self.sync.begin_intent, record)
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[_AsyncSession]:
+        worker = _Worker()
+        conn = await worker.run(self.sync._connections.take)
+        try:
+            yield _AsyncSession(_Session(self.sync, conn), worker)
+        finally:
+            # Queued behind any statement still running: the connection goes back idle.
+            worker.executor.submit(self.sync._connections.give, conn)
+            worker.close()
+
+    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+               detail: str | None = None
+               ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
+        """``async with store.fenced(tokens, intent) as tx``: as ``SqliteStore.fenced``."""
+        return afenced_flow(self._session(), tokens, intent, detail)
+
+    async def audit(self, entry: AuditEntry) -> AuditEntry:
+        """Append one audit row (for decisions taken outside a fenced write)."""
+        return await asyncio.to_thread(self.sync.audit, entry)
+
+    async def mark_unknown(self, idempotency_key: str) -> bool:
+        """Record that a call was cancelled mid-flight; never touches an applied intent."""
+        return await asyncio.to_thread(self.sync.mark_unknown, idempotency_key)
+
+    async def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
+        """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
+        return await asyncio.to_thread(self.sync.has_applied, tool, resource_key, workflow)
+
+    async def high_water(self, key: str) -> int:
+        """The greatest token accepted for ``key`` (0 if none)."""
+        return await asyncio.to_thread(self.sync.high_water, key)
+
+    async def high_waters(self, keys: Iterable[str]) -> dict[str, int]:
+        """High-water marks of several keys in one query (absent keys are omitted)."""
+        return await asyncio.to_thread(self.sync.high_waters, list(keys))
+
+    async def query_audit(self, **filters: Any) -> list[AuditEntry]:
+        """Audit rows matching ``filters`` (see ``AuditQuery``), newest first by default."""
+        return await asyncio.to_thread(functools.partial(self.sync.query_audit, **filters))
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[sqlite3.Connection]:
+        """A raw autocommit connection; use it from ``asyncio.to_thread`` calls only."""
+        conn = await asyncio.to_thread(self.sync._connections.take)
+        try:
+            yield conn
+        finally:
+            self.sync._connections.give(conn)
+
+    async def close(self) -> None:
+        self.sync.close()
+
+    aclose = close
+
+    async def __aenter__(self) -> AsyncSqliteStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
