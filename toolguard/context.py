@@ -14,6 +14,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from toolguard.errors import ToolGuardError
 from toolguard.intent import Intent
 from toolguard.locks.lease import Lease
@@ -34,9 +36,10 @@ class CallContext:
 
     intent: Intent
     tool: str
-    args: Mapping[str, Any]
+    args: Mapping[str, Any]  # validated, as JSON values; ``model`` holds the typed instance
     idempotency_key: str
     keys: tuple[str, ...]
+    model: BaseModel | None = None
     lease: Lease | None = None
     tx: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
