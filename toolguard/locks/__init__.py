@@ -35,7 +35,7 @@ __all__ = [
     "sqlite_path",
 ]
 
-SCHEMES = ("redis", "rediss", "unix", "sqlite")
+SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd")
 
 
 def sqlite_path(url: str) -> str:
@@ -58,6 +58,14 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         from toolguard.locks.sqlite import SqliteBackend
 
         return SqliteBackend(sqlite_path(url), **options)
+    if scheme in ("postgresql", "postgres"):
+        from toolguard.locks.postgres import PostgresBackend
+
+        return PostgresBackend(url, **options)
+    if scheme == "etcd":
+        from toolguard.locks.etcd import EtcdBackend
+
+        return EtcdBackend(url, **options)
     msg = f"unknown lock backend URL scheme {scheme!r} in {url!r}; expected one of {SCHEMES}"
     raise ConfigurationError(msg)
 
@@ -68,6 +76,16 @@ def _async_backend(url: str, sync: LockBackend, **options: Any) -> AsyncLockBack
         from toolguard.locks.redis import AsyncRedisBackend
 
         return AsyncRedisBackend(url, **options)
+    if scheme in ("postgresql", "postgres"):
+        from toolguard.locks.postgres import AsyncPostgresBackend, PostgresBackend
+
+        assert isinstance(sync, PostgresBackend)
+        return AsyncPostgresBackend(sync)
+    if scheme == "etcd":
+        from toolguard.locks.etcd import AsyncEtcdBackend, EtcdBackend
+
+        assert isinstance(sync, EtcdBackend)
+        return AsyncEtcdBackend(sync)
     from toolguard.locks.sqlite import AsyncSqliteBackend, SqliteBackend
 
     assert isinstance(sync, SqliteBackend)
@@ -90,10 +108,13 @@ def connect(url: str | None = None, **options: Any) -> LockManager:
 def connect_async(url: str | None = None, **options: Any) -> AsyncLockManager:
     """An ``AsyncLockManager`` for ``url``; renewals share the process heartbeat."""
     backend_options, manager_options = _split(options)
-    if url is None:
+    if url is None:  # the same defaults as ``connect``: settings apply to async code too
         from toolguard.config import Settings
 
-        url = Settings().resolved_lock_url()
+        settings = Settings()
+        url = settings.resolved_lock_url()
+        manager_options.setdefault("ttl_ms", settings.ttl_ms)
+        manager_options.setdefault("timeout_s", settings.wait_timeout_s)
     sync = open_backend(url, **backend_options)
     return AsyncLockManager(_async_backend(url, sync, **backend_options), sync, **manager_options)
 

@@ -125,15 +125,15 @@ def canonical_keys(keys: str | Iterable[str]) -> tuple[str, ...]:
     """Sorted, de-duplicated keys: the one order every agent takes them in."""
     if isinstance(keys, str):
         keys = (keys,)
-    unique = sorted(set(keys))
-    if not unique:
-        msg = "at least one lock key is required"
-        raise ConfigurationError(msg)
-    for key in unique:
+    given = list(keys)
+    for key in given:  # before sorting: a None among strings must be a ConfigurationError
         if not isinstance(key, str) or not key:
             msg = f"lock keys must be non-empty strings, got {key!r}"
             raise ConfigurationError(msg)
-    return tuple(unique)
+    if not given:
+        msg = "at least one lock key is required"
+        raise ConfigurationError(msg)
+    return tuple(sorted(set(given)))
 
 
 def new_owner(ttl_ms: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +24,8 @@ log = logging.getLogger("toolguard.locks")
 RENEW_FRACTION = 1 / 3
 #: Local deadline safety margin against clock-rate drift between client and server.
 DRIFT_FRACTION = 0.02
+#: A backend's renewal thread exits after this long without work.
+RENEWER_IDLE_S = 30.0
 
 
 class Lease:
@@ -126,12 +129,21 @@ class Lease:
 
 
 class Heartbeat:
-    """One daemon thread per process renewing every held lease, batched per backend."""
+    """One daemon thread per process watching every held lease; renewals batched per backend.
+
+    The loop itself never waits on a server: each backend's batch is renewed on
+    that backend's renewal thread (at most one batch in flight per backend), and
+    the loop marks a lease lost as soon as its local deadline passes. A server
+    that hangs without answering therefore cannot keep a holder believing it
+    holds the lock, nor stall the renewals of other backends.
+    """
 
     def __init__(self) -> None:
         self._leases: dict[int, Lease] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._in_flight: set[int] = set()
+        self._renewers: dict[int, queue.SimpleQueue[list[Lease]]] = {}
         self._pid = os.getpid()
 
     def add(self, lease: Lease) -> None:
@@ -154,47 +166,100 @@ class Heartbeat:
     def _due_at(self, lease: Lease) -> float:
         return lease._renewed_at + lease.ttl_ms / 1000 * RENEW_FRACTION
 
+    @staticmethod
+    def _early_s(lease: Lease) -> float:
+        """How early a lease may ride along with a batch: half a renewal interval."""
+        return lease.ttl_ms / 1000 * RENEW_FRACTION / 2
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 now = time.monotonic()
-                leases = list(self._leases.values())
-                due = [lease for lease in leases if self._due_at(lease) <= now]
-                if not due:
-                    wake = min((self._due_at(lease) for lease in leases), default=now + 1.0)
+                expired: list[Lease] = []
+                soon: dict[int, list[Lease]] = {}
+                due: set[int] = set()
+                wake = now + 1.0
+                for lease in list(self._leases.values()):
+                    if lease.lost_event.is_set() or lease.released:
+                        self._leases.pop(id(lease), None)  # a lost lease is never renewed again
+                    elif now >= lease.deadline:
+                        expired.append(lease)
+                        self._leases.pop(id(lease), None)
+                    else:
+                        wake = min(wake, lease.deadline)
+                        if id(lease._backend) in self._in_flight:
+                            continue
+                        if self._due_at(lease) <= now + self._early_s(lease):
+                            soon.setdefault(id(lease._backend), []).append(lease)
+                        if self._due_at(lease) <= now:
+                            due.add(id(lease._backend))
+                        else:
+                            wake = min(wake, self._due_at(lease))
+                # A backend with one lease due renews all its leases due soon in the same call.
+                groups = {backend: group for backend, group in soon.items() if backend in due}
+                if not expired and not groups:
                     self._cond.wait(timeout=max(0.001, wake - now))
                     continue
-            self._renew(due)
+                self._in_flight.update(groups)
+                for backend_id, group in groups.items():
+                    self._submit(backend_id, group)
+            for lease in expired:
+                lease.mark_lost(LockLost(f"lease on {', '.join(lease.keys)} passed its deadline "
+                                         "before a renewal succeeded", keys=lease.keys))
 
-    def _renew(self, due: list[Lease]) -> None:
-        by_backend: dict[int, list[Lease]] = {}
-        for lease in due:
-            by_backend.setdefault(id(lease._backend), []).append(lease)
-        for group in by_backend.values():
-            backend = group[0]._backend
-            sent_at = time.monotonic()
-            held = [(key, lease.owner, lease.ttl_ms) for lease in group for key in lease.keys]
+    def _submit(self, backend_id: int, group: list[Lease]) -> None:
+        """Queue a batch for the backend's renewal thread (started on demand); holds ``_cond``."""
+        jobs = self._renewers.get(backend_id)
+        if jobs is None:
+            jobs = self._renewers[backend_id] = queue.SimpleQueue()
+            threading.Thread(target=self._renewer, args=(backend_id, jobs),
+                             name="toolguard-renew", daemon=True).start()
+        jobs.put(group)
+
+    def _renewer(self, backend_id: int, jobs: queue.SimpleQueue[list[Lease]]) -> None:
+        """One backend's renewals, one batch at a time; keeps its connection warm between them."""
+        while True:
             try:
-                owned = backend.renew(held)
-            except (BackendUnavailable, OSError) as error:
-                self._retry_later(group, sent_at, error)
+                group = jobs.get(timeout=RENEWER_IDLE_S)
+            except queue.Empty:
+                with self._cond:  # submissions hold _cond too, so no batch is left behind
+                    if jobs.empty():
+                        self._renewers.pop(backend_id, None)
+                        return
                 continue
-            except Exception as error:  # an unexpected error is as unknown as a transport one
-                log.exception("renewal failed")
-                self._retry_later(group, sent_at, error)
-                continue
-            position = 0
-            for lease in group:
-                results = owned[position:position + len(lease.keys)]
-                position += len(lease.keys)
-                if all(results):
-                    lease._renewed_at = sent_at
-                    lease.deadline = sent_at + lease.ttl_ms / 1000 * (1 - DRIFT_FRACTION)
-                else:
-                    gone = [k for k, ok in zip(lease.keys, results, strict=True) if not ok]
-                    lease.mark_lost(NotOwned(f"lock {', '.join(gone)} is no longer held by this "
-                                             "lease (expired or taken)", keys=gone))
-                    self.remove(lease)
+            try:
+                self._renew(group)
+            finally:
+                with self._cond:
+                    self._in_flight.discard(backend_id)
+                    self._cond.notify()
+
+    def _renew(self, group: list[Lease]) -> None:
+        """Renew one backend's due leases in one call and apply the verdicts."""
+        backend = group[0]._backend
+        sent_at = time.monotonic()
+        held = [(key, lease.owner, lease.ttl_ms) for lease in group for key in lease.keys]
+        try:
+            owned = backend.renew(held)
+        except (BackendUnavailable, OSError) as error:
+            self._retry_later(group, sent_at, error)
+            return
+        except Exception as error:  # an unexpected error is as unknown as a transport one
+            log.exception("renewal failed")
+            self._retry_later(group, sent_at, error)
+            return
+        position = 0
+        for lease in group:
+            results = owned[position:position + len(lease.keys)]
+            position += len(lease.keys)
+            if all(results):
+                lease._renewed_at = sent_at
+                lease.deadline = sent_at + lease.ttl_ms / 1000 * (1 - DRIFT_FRACTION)
+            else:
+                gone = [k for k, ok in zip(lease.keys, results, strict=True) if not ok]
+                lease.mark_lost(NotOwned(f"lock {', '.join(gone)} is no longer held by this "
+                                         "lease (expired or taken)", keys=gone))
+                self.remove(lease)
 
     def _retry_later(self, group: list[Lease], sent_at: float, error: BaseException) -> None:
         """Transient failure: try again soon, until the lease's local deadline passes."""

@@ -25,7 +25,7 @@ from toolguard.locks.base import (
     full_jitter,
     new_owner,
 )
-from toolguard.locks.lease import Lease, heartbeat
+from toolguard.locks.lease import RENEW_FRACTION, Lease, heartbeat
 
 __all__ = ["AsyncLockManager", "LockManager"]
 
@@ -46,11 +46,17 @@ class _Plan:
     backoff_cap_s: float
     rounds: int = 0
 
-    def key_deadline(self, index: int) -> float:
-        """The first key waits for the whole deadline; later ones only for one round."""
+    def key_deadline(self, index: int, held_since: float) -> float:
+        """The first key waits for the whole deadline; later ones only for one round.
+
+        Keys already taken are not renewed until the lease exists, so a later
+        key is awaited at most until the first one is due for renewal
+        (``held_since`` + ttl/3): the lease is never handed out already expired.
+        """
         if index == 0:
             return self.deadline
-        return min(self.deadline, time.monotonic() + self.round_wait_s)
+        return min(self.deadline, time.monotonic() + self.round_wait_s,
+                   held_since + self.ttl_ms / 1000 * RENEW_FRACTION)
 
     def poll_s(self, until: float, retry_ms: int) -> float | None:
         remaining = until - time.monotonic()
@@ -122,12 +128,12 @@ class LockManager(_ManagerBase):
             tokens: dict[str, int] = {}
             try:
                 for index, key in enumerate(plan.keys):
-                    token = self._take(key, owner, plan, plan.key_deadline(index))
-                    if token is None:
+                    taken = self._take(key, owner, plan, plan.key_deadline(index, started))
+                    if taken is None:
                         break
-                    tokens[key] = token
+                    tokens[key] = taken[0]
                     if index == 0:
-                        started = time.monotonic()
+                        started = taken[1]
             except BaseException:
                 self._give_back(plan.keys, owner)
                 raise
@@ -140,18 +146,22 @@ class LockManager(_ManagerBase):
                 raise plan.timeout(missing)
             time.sleep(pause)
 
-    def _take(self, key: str, owner: str, plan: _Plan, until: float) -> int | None:
+    def _take(self, key: str, owner: str, plan: _Plan, until: float) -> tuple[int, float] | None:
+        """``(token, sent_at)``: sent_at, taken before the granting call, bounds the TTL's start."""
+        sent_at = time.monotonic()
         attempt = self.backend.try_acquire(key, owner, plan.ttl_ms)
         while attempt.token is None:
             poll = plan.poll_s(until, attempt.retry_ms)
             if poll is None:
                 self.backend.release(key, owner)  # leave the queue (or return a late hand-off)
                 return None
+            sent_at = time.monotonic()
             handed = self.backend.wait(key, owner, poll)
             if handed is not None:
-                return handed
+                return handed, sent_at
+            sent_at = time.monotonic()
             attempt = self.backend.try_acquire(key, owner, plan.ttl_ms)
-        return attempt.token
+        return attempt.token, sent_at
 
     def _give_back(self, keys: tuple[str, ...], owner: str) -> None:
         for key in keys:
@@ -168,8 +178,10 @@ class LockManager(_ManagerBase):
         if lease.released:
             return
         lease.released = True
-        heartbeat().remove(lease)
+        # Release first, unregister after: the next holder is waiting on the release,
+        # and the heartbeat already skips a lease marked released.
         self._give_back(lease.keys, lease.owner)
+        heartbeat().remove(lease)
 
     async def arelease(self, lease: Lease) -> None:
         await asyncio.to_thread(self.release, lease)
@@ -217,12 +229,12 @@ class AsyncLockManager(_ManagerBase):
             tokens: dict[str, int] = {}
             try:
                 for index, key in enumerate(plan.keys):
-                    token = await self._take(key, owner, plan, plan.key_deadline(index))
-                    if token is None:
+                    taken = await self._take(key, owner, plan, plan.key_deadline(index, started))
+                    if taken is None:
                         break
-                    tokens[key] = token
+                    tokens[key] = taken[0]
                     if index == 0:
-                        started = time.monotonic()
+                        started = taken[1]
             except BaseException:
                 await asyncio.shield(self._give_back(plan.keys, owner))
                 raise
@@ -238,18 +250,23 @@ class AsyncLockManager(_ManagerBase):
                 raise plan.timeout(missing)
             await asyncio.sleep(pause)
 
-    async def _take(self, key: str, owner: str, plan: _Plan, until: float) -> int | None:
+    async def _take(self, key: str, owner: str, plan: _Plan,
+                    until: float) -> tuple[int, float] | None:
+        """``(token, sent_at)`` as in ``LockManager._take``."""
+        sent_at = time.monotonic()
         attempt = await self.backend.try_acquire(key, owner, plan.ttl_ms)
         while attempt.token is None:
             poll = plan.poll_s(until, attempt.retry_ms)
             if poll is None:
                 await self.backend.release(key, owner)
                 return None
+            sent_at = time.monotonic()
             handed = await self.backend.wait(key, owner, poll)
             if handed is not None:
-                return handed
+                return handed, sent_at
+            sent_at = time.monotonic()
             attempt = await self.backend.try_acquire(key, owner, plan.ttl_ms)
-        return attempt.token
+        return attempt.token, sent_at
 
     async def _give_back(self, keys: tuple[str, ...], owner: str) -> None:
         for key in keys:

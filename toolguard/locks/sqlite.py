@@ -96,11 +96,13 @@ class SqliteBackend:
             raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
         try:
             yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        else:
             db.execute("COMMIT")
+        except BaseException as error:
+            with contextlib.suppress(sqlite3.Error):  # an open transaction would poison the connection
+                db.execute("ROLLBACK")
+            if isinstance(error, sqlite3.Error):  # translated at the boundary, like connect errors
+                raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
+            raise
 
     def _wake_address(self, owner: str) -> str:
         return f"\0toolguard-{os.getpid()}-{owner}"
@@ -252,7 +254,25 @@ class AsyncSqliteBackend:
         return await asyncio.to_thread(self.sync.try_acquire, key, owner, ttl_ms)
 
     async def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
-        return await asyncio.to_thread(self.sync.wait, key, owner, timeout_s)
+        """Await the releaser's datagram on the event loop itself.
+
+        A blocking ``recv`` in ``to_thread`` would pin one default-executor
+        thread per waiter: a handful of waiters then starve the releases that
+        should wake them, and every hand-off falls back to the poll.
+        """
+        with self.sync._sockets_lock:
+            sock = self.sync._sockets.get(owner)
+        if sock is None:
+            await asyncio.sleep(timeout_s)
+            return None
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(sock, 64), max(timeout_s, 0.001))
+        except (TimeoutError, OSError):
+            return None
+        self.sync._forget(owner)
+        return int(data)
 
     async def release(self, key: str, owner: str) -> bool:
         return await asyncio.to_thread(self.sync.release, key, owner)

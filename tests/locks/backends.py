@@ -1,0 +1,219 @@
+"""The lock backends the contract suite runs against, one registry entry each.
+
+Every test in ``tests/locks/test_contract*.py`` takes the ``backend`` fixture
+(``tests/locks/conftest.py``), which is parametrized over ``BACKENDS``: a new
+backend passes the same suite by adding one entry, nothing else.
+
+How to add a backend (e.g. "postgres" or "etcd")
+-------------------------------------------------
+1. Write three small functions:
+
+   * ``make_url(server, tmp_path) -> str``: the URL ``toolguard.locks.connect``
+     understands, from the value of the server fixture (or ``None``) and the
+     test's private ``tmp_path``.
+   * ``drop(url, key)``: delete the lock record of ``key`` behind the holder's
+     back, directly in the server (as an operator or a data loss would).
+   * ``steal(url, key)``: make ``key`` belong to some other owner, directly in
+     the server, keeping it "held" (as a split brain would).
+
+2. Add ``BACKENDS["name"] = BackendFactory(name=..., server_fixture=...,
+   make_url=..., drop=..., steal=...)``. ``server_fixture`` names a session
+   fixture from ``tests/conftest.py`` (``redis_url``, ``postgres_url``, an etcd
+   one...) that skips locally and fails on CI when the server is absent; use
+   ``None`` for an embedded backend.
+
+Keys are namespaced per test (``LockEnv.key``) with the ``unique`` fixture, so
+tests sharing one server never see each other's locks.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolguard.locks import AsyncLockManager, LockManager, connect, connect_async, sqlite_path
+
+__all__ = ["BACKENDS", "BackendFactory", "LockEnv"]
+
+
+@dataclass(frozen=True)
+class BackendFactory:
+    """How the contract suite builds managers for one backend and tampers with its state."""
+
+    name: str
+    #: Session fixture giving the server (None: embedded, always available).
+    server_fixture: str | None
+    #: ``(server fixture value, tmp_path) -> URL`` for ``connect`` / ``connect_async``.
+    make_url: Callable[[Any, Path], str]
+    #: ``(url, key)``: delete the lock record under the holder.
+    drop: Callable[[str, str], None]
+    #: ``(url, key)``: give the lock to another owner under the holder.
+    steal: Callable[[str, str], None]
+    #: Extra keyword arguments for ``connect`` (backend or manager options).
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class LockEnv:
+    """One test's view of a backend: namespaced keys, managers closed at teardown."""
+
+    def __init__(self, factory: BackendFactory, url: str, namespace: str) -> None:
+        self.factory = factory
+        self.name = factory.name
+        self.url = url
+        self.namespace = namespace
+        self._managers: list[LockManager] = []
+
+    def key(self, name: str) -> str:
+        """A key private to this test."""
+        return f"t{self.namespace}:{name}"
+
+    def manager(self, **options: Any) -> LockManager:
+        """A sync manager on the backend (closed when the test ends)."""
+        manager = connect(self.url, **{**self.factory.options, **options})
+        self._managers.append(manager)
+        return manager
+
+    def async_manager(self, **options: Any) -> AsyncLockManager:
+        """An asyncio manager; build it inside the running loop and ``aclose`` it there."""
+        return connect_async(self.url, **{**self.factory.options, **options})
+
+    def drop(self, key: str) -> None:
+        self.factory.drop(self.url, key)
+
+    def steal(self, key: str) -> None:
+        self.factory.steal(self.url, key)
+
+    def close(self) -> None:
+        for manager in self._managers:
+            manager.close()
+        self._managers.clear()
+
+
+# --- redis ----------------------------------------------------------------------------------
+
+
+def _redis_drop(url: str, key: str) -> None:
+    import redis
+
+    from toolguard.locks.redis import redis_keys
+
+    with redis.Redis.from_url(url) as client:
+        client.delete(redis_keys(key)[0][0])
+
+
+def _redis_steal(url: str, key: str) -> None:
+    import redis
+
+    from toolguard.locks.redis import redis_keys
+
+    with redis.Redis.from_url(url) as client:
+        client.set(redis_keys(key)[0][0], "intruder:60000", px=60_000)
+
+
+# --- sqlite ---------------------------------------------------------------------------------
+
+
+def _sqlite_exec(url: str, sql: str, *params: Any) -> None:
+    db = sqlite3.connect(sqlite_path(url), timeout=30, isolation_level=None)
+    try:
+        db.execute(sql, params)
+    finally:
+        db.close()
+
+
+def _sqlite_drop(url: str, key: str) -> None:
+    _sqlite_exec(url, "DELETE FROM tg_lock WHERE key = ?", key)
+
+
+def _sqlite_steal(url: str, key: str) -> None:
+    _sqlite_exec(url, "UPDATE tg_lock SET owner = 'intruder:60000' WHERE key = ?", key)
+
+
+# --- postgres -------------------------------------------------------------------------------
+
+
+def _postgres_exec(url: str, sql: str, *params: Any) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql, params)
+
+
+def _postgres_drop(url: str, key: str) -> None:
+    _postgres_exec(url, "DELETE FROM toolguard_lock_holder WHERE key = %s", key)
+
+
+def _postgres_steal(url: str, key: str) -> None:
+    _postgres_exec(url, "UPDATE toolguard_lock_holder SET owner = 'intruder:60000', "
+                        "expires_at = clock_timestamp() + interval '60 seconds' WHERE key = %s", key)
+
+
+# --- etcd -----------------------------------------------------------------------------------
+
+
+def _etcd_url(_server: Any, _tmp: Path) -> str:
+    # The session's private etcd; started here because tests/conftest.py has no etcd fixture.
+    from etcd_server import shared_etcd_url
+
+    return shared_etcd_url()
+
+
+def _etcd_client(url: str) -> Any:
+    from etcd3gw.client import Etcd3Client
+
+    from toolguard.locks.etcd import parse_etcd_url
+
+    host, port = parse_etcd_url(url)[0][0]
+    return Etcd3Client(host=host, port=port, timeout=5)
+
+
+def _etcd_drop(url: str, key: str) -> None:
+    from toolguard.locks.etcd import etcd_keys
+
+    client, queue = _etcd_client(url), etcd_keys(key)[0]
+    holder = client.get_prefix(queue, sort_order="ascend", sort_target="create")[:1]
+    for _, meta in holder:
+        client.delete(meta["key"])
+
+
+def _etcd_steal(url: str, key: str) -> None:
+    from toolguard.locks.etcd import etcd_keys
+
+    client, queue = _etcd_client(url), etcd_keys(key)[0]
+    client.delete_prefix(queue)  # the intruder's entry must be first in line
+    client.put(queue + b"intruder%3A60000", "", lease=client.lease(60))
+
+
+BACKENDS: dict[str, BackendFactory] = {
+    "redis": BackendFactory(
+        name="redis",
+        server_fixture="redis_url",
+        make_url=lambda server, _tmp: str(server),
+        drop=_redis_drop,
+        steal=_redis_steal,
+    ),
+    "sqlite": BackendFactory(
+        name="sqlite",
+        server_fixture=None,
+        make_url=lambda _server, tmp: f"sqlite:///{tmp / 'locks.db'}",
+        drop=_sqlite_drop,
+        steal=_sqlite_steal,
+    ),
+    "postgres": BackendFactory(
+        name="postgres",
+        server_fixture="postgres_url",
+        make_url=lambda server, _tmp: str(server),
+        drop=_postgres_drop,
+        steal=_postgres_steal,
+    ),
+    "etcd": BackendFactory(
+        name="etcd",
+        server_fixture=None,  # a private server: see _etcd_url
+        make_url=_etcd_url,
+        drop=_etcd_drop,
+        steal=_etcd_steal,
+    ),
+}

@@ -1,0 +1,797 @@
+"""etcd v3 backend (etcd3gw, over etcd's HTTP/JSON gateway): a FIFO queue like etcd's Mutex.
+
+Layout under the prefix (default ``toolguard/lock/``; the lock key is percent-encoded,
+so no key's queue is a prefix of another's)::
+
+    {prefix}q/{key}/{owner}   one entry per contender, attached to its process lease;
+                              the holder is the entry with the lowest create_revision
+    {prefix}floor/{key}       re-seed offset added to every token of the key (absent: 0)
+
+``try_acquire`` is one transaction: "create my entry unless it exists" (compare
+create_revision == 0, put with the lease), plus, in the same step, the reads that
+say whether it is first in line and which entry is just ahead of it.
+
+Tokens are etcd revisions: the create_revision of the holder's entry (plus the
+re-seed offset, 0 unless ``raise_floor`` needed it). The revision is fixed when the
+contender joins the line and handed out only when it is first; entries are served
+in create_revision order, so token order is still grant order. Revisions are
+replicated by Raft, so they survive restarts and leader changes. They are global
+revisions: compare them only between grants of the same key.
+
+A waiter is woken by the deletion of the entry just ahead of it (only the successor
+wakes) and then takes the lock with its next ``try_acquire``: there is no hand-off
+by the releaser, which only deletes its entry. Deletions reach waiters through one
+watch per backend object on the whole queue prefix (an HTTP stream read by one
+thread; etcd3gw's own watcher costs a thread pool per watch and closes its client's
+connection pool when stopped), not a watch per wait: like LISTEN on one channel,
+every process receives every deletion under the prefix, and a wait sends nothing.
+
+Liveness has two layers:
+
+* A holder touches its entry on the grant and on every renewal (a put that keeps
+  value and lease, so only mod_revision moves). A contender that sees the first
+  entry's mod_revision unchanged for that owner's whole TTL, measured on its own
+  monotonic clock from when it first saw it, deletes the entry with a compare on
+  that mod_revision: the holder's local deadline has passed by then (the same
+  clock-rate assumption as every backend's 2% margin). A crashed holder's lock, or
+  a crashed waiter that reached the front, frees within its TTL of the first
+  contender's arrival.
+* Every entry is attached to a process lease, the backstop that removes the entries
+  of a dead process when nobody contends. There is one etcd lease per process and
+  TTL class rather than one per lock, so ``renew`` is one keepalive per class plus
+  one transaction touching every held entry, however many locks are held. etcd
+  lease TTLs are whole seconds, at least 1 s (and at least etcd's own minimum, 1.5 x
+  the election timeout, 2 s by default): the class is ``ceil(1.5 x TTL)`` seconds, so
+  the heartbeat's keepalive (every third of the TTL) keeps the lease more than one
+  TTL ahead and a grant needs no keepalive of its own. When the lease is not that far
+  ahead (an idle process), ``try_acquire`` sends a keepalive first: the server never
+  drops an entry before its holder's local deadline.
+
+Keep etcd's history compacted (``--auto-compaction-retention``): every grant,
+release and renewal is a revision. The watch survives compaction by waking every
+waiter once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import math
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote, urlparse
+
+import requests
+from etcd3gw.client import Etcd3Client
+from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+from requests.adapters import HTTPAdapter
+
+from toolguard.errors import BackendUnavailable, ConfigurationError
+from toolguard.locks.base import Attempt, BackendInfo
+
+__all__ = ["AsyncEtcdBackend", "EtcdBackend", "etcd_keys", "lease_seconds", "parse_etcd_url"]
+
+INFO = BackendInfo(
+    name="etcd",
+    durable_tokens=True,
+    server_wakeup=True,
+    fair=True,
+    note="Raft consensus: a grant survives leader changes; tokens are etcd revisions "
+         "(compare them within one key); a holder silent for its TTL is expired by the "
+         "next contender, a dead process's entries by its whole-second lease",
+)
+
+DEFAULT_PREFIX = "toolguard/lock/"
+#: The process lease of a lock lasts this many TTLs, rounded up to whole seconds.
+LEASE_FACTOR = 1.5
+#: etcd's default ``--max-txn-ops``: renew touches at most this many entries per transaction.
+MAX_TXN_OPS = 128
+
+T = TypeVar("T")
+
+
+def lease_seconds(ttl_ms: int) -> int:
+    """The etcd lease TTL (whole seconds) that carries a lock of ``ttl_ms``: 1.5 x the TTL,
+    rounded up, so that the heartbeat (every third of the TTL) keeps the shared lease
+    at least one TTL ahead and a grant needs no keepalive of its own."""
+    return max(1, math.ceil(ttl_ms * LEASE_FACTOR / 1000))
+
+
+def parse_etcd_url(url: str) -> tuple[list[tuple[str, int]], str | None]:
+    """``etcd://host:port[,host:port...][/prefix]`` -> endpoints and key prefix."""
+    parsed = urlparse(url)
+    if parsed.scheme != "etcd" or not parsed.netloc:
+        msg = f"an etcd URL looks like etcd://host:2379[,host2:2379][/prefix], got {url!r}"
+        raise ConfigurationError(msg)
+    endpoints = []
+    for part in parsed.netloc.split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            host, port = part, "2379"
+        endpoints.append((host.strip("[]"), int(port)))
+    prefix = parsed.path.lstrip("/")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    return endpoints, prefix or None
+
+
+def etcd_keys(key: str, prefix: str = DEFAULT_PREFIX) -> tuple[bytes, bytes]:
+    """The queue prefix and the floor key of lock ``key`` (for tools and tests)."""
+    names = _Names.of(prefix.encode(), key)
+    return names.queue, names.floor
+
+
+# --- the gateway's JSON, built and read by small pure helpers ------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The range end covering every key that starts with ``prefix`` (which ends in '/')."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def _range(key: bytes, end: bytes | None = None, *, limit: int = 0, newest_first: bool = False,
+           by_creation: bool = False, max_create_revision: int = 0) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": _b64(key), "keys_only": end is not None}
+    if end is not None:
+        request["range_end"] = _b64(end)
+    if limit:
+        request["limit"] = limit
+    if by_creation:
+        request["sort_target"] = "CREATE"
+        request["sort_order"] = "DESCEND" if newest_first else "ASCEND"
+    if max_create_revision:
+        request["max_create_revision"] = max_create_revision
+    return {"request_range": request}
+
+
+def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(response.get("response_range", {}).get("kvs", []))
+
+
+def _touch(key: bytes) -> dict[str, Any]:
+    """A put that keeps value and lease: it only moves the entry's mod_revision."""
+    return {"request_put": {"key": _b64(key), "ignore_value": True, "ignore_lease": True}}
+
+
+def _owner_ttl_ms(entry: bytes) -> int | None:
+    """The TTL carried in an entry's owner id (``base.new_owner``); None if it has none."""
+    owner = unquote(entry.rsplit(b"/", 1)[-1].decode("ascii", "replace"))
+    ttl = owner.rsplit(":", 1)[-1]
+    return int(ttl) if ttl.isdigit() and ":" in owner else None
+
+
+def _offset(response: dict[str, Any]) -> int:
+    kvs = _kvs(response)
+    return int(_unb64(kvs[0].get("value", "")) or b"0") if kvs else 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Names:
+    """The etcd keys of one lock key and one contender."""
+
+    queue: bytes
+    entry: bytes
+    floor: bytes
+
+    @classmethod
+    def of(cls, prefix: bytes, key: str, owner: str = "") -> _Names:
+        escaped = quote(key, safe="").encode("ascii")
+        queue = prefix + b"q/" + escaped + b"/"
+        return cls(queue=queue, entry=queue + quote(owner, safe="").encode("ascii"),
+                   floor=prefix + b"floor/" + escaped)
+
+    @property
+    def queue_end(self) -> bytes:
+        return _prefix_end(self.queue)
+
+
+@dataclass(slots=True)
+class _ProcessLease:
+    id: int
+    seconds: int
+    #: Local monotonic time before which the server cannot have expired it.
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Entry:
+    """This process's view of one of its queue entries."""
+
+    revision: int
+    lease_seconds: int
+    ahead: bytes | None  # the entry just ahead; None when this one is first (the holder)
+    seen: int  # store revision at which ``ahead`` was read
+    token: int | None = None
+
+
+class _Wake:
+    """A waiter's doorbell: a thread's event, and for asyncio a future on its loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.event = threading.Event()
+        self.loop = loop
+        self.future: asyncio.Future[None] | None = loop.create_future() if loop else None
+
+    def ring(self) -> None:
+        self.event.set()
+        if self.loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                self.loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_result(None)
+
+
+class _DeletionWatch:
+    """One watch on every queue entry's deletion, rung into the local waiters' doorbells.
+
+    ``subscribe(key, seen)`` rings at once when ``key`` was deleted after revision
+    ``seen`` and the deletion has already streamed past, or when the stream cannot
+    vouch for that range (it started later, or history was compacted): a spurious
+    ring only costs the waiter one read, a missed one would cost it a poll.
+    """
+
+    RECENT = 4096  # deletions remembered for subscribers that arrive just after them
+    IDLE_S = 30.0  # an idle stream is re-opened (from where it was) after this long
+
+    def __init__(self, backend: EtcdBackend, queue_root: bytes) -> None:
+        self._backend = backend
+        self._root = queue_root
+        self._lock = threading.Lock()
+        self._waiting: dict[bytes, list[_Wake]] = {}
+        self._recent: OrderedDict[bytes, int] = OrderedDict()
+        self._origin = 0  # every deletion at a revision >= origin is streamed or rung
+        self._next = 0  # start revision of the next stream
+        self._thread: threading.Thread | None = None
+        self._response: requests.Response | None = None
+        self._stopped = threading.Event()
+        self._endpoint = backend._current
+
+    def subscribe(self, key: bytes, seen: int, wake: _Wake) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._origin = self._next = seen + 1
+                self._thread = threading.Thread(target=self._run, name="toolguard-etcd-watch",
+                                                daemon=True)
+                self._thread.start()
+            if seen + 1 < self._origin or self._recent.get(key, 0) > seen:
+                wake.ring()
+                return
+            self._waiting.setdefault(key, []).append(wake)
+
+    def unsubscribe(self, key: bytes, wake: _Wake) -> None:
+        with self._lock:
+            wakes = self._waiting.get(key, [])
+            if wake in wakes:
+                wakes.remove(wake)
+            if not wakes:
+                self._waiting.pop(key, None)
+
+    def close(self) -> None:
+        self._stopped.set()
+        response = self._response
+        if response is not None:
+            _shutdown(response)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        pause = 0.05
+        while not self._stopped.is_set():
+            try:
+                self._stream()
+                pause = 0.05
+            except Exception:  # the stream broke: reopen it from where it was, on the next member
+                self._endpoint = (self._endpoint + 1) % len(self._backend.endpoints)
+                if self._stopped.wait(pause):
+                    return
+                pause = min(1.0, pause * 2)
+
+    def _stream(self) -> None:
+        client = self._backend._new_client(pool_size=1, endpoint=self._endpoint)
+        body = {"create_request": {"key": _b64(self._root), "range_end": _b64(_prefix_end(self._root)),
+                                   "filters": ["NOPUT"], "start_revision": self._next}}
+        try:
+            response = client.session.post(client.get_url("/watch"), json=body, stream=True,
+                                           timeout=(self._backend.timeout_s, self.IDLE_S))
+            self._response = response
+            if self._stopped.is_set():
+                return
+            pending = b""
+            for chunk in response.iter_content(chunk_size=None):
+                pending += chunk
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    if line.strip():
+                        self._deliver(json.loads(line).get("result", {}))
+        except requests.exceptions.ConnectionError:
+            if not self._stopped.is_set():
+                raise
+        finally:
+            self._response = None
+            client.session.close()
+
+    def _deliver(self, result: dict[str, Any]) -> None:
+        compacted = int(result.get("compact_revision", 0))
+        if compacted or result.get("canceled"):  # history is gone: ring everyone, start afresh
+            with self._lock:
+                self._origin = self._next = max(self._next, compacted)
+                wakes = [w for group in self._waiting.values() for w in group]
+                self._waiting.clear()
+            for wake in wakes:
+                wake.ring()
+            msg = f"etcd watch cancelled (compacted at {compacted})"
+            raise RuntimeError(msg)
+        rung: list[_Wake] = []
+        with self._lock:
+            for event in result.get("events", []):
+                key, revision = _unb64(event["kv"]["key"]), int(event["kv"]["mod_revision"])
+                self._recent[key] = revision
+                self._recent.move_to_end(key)
+                rung.extend(self._waiting.pop(key, []))
+                self._next = max(self._next, revision + 1)
+            while len(self._recent) > self.RECENT:
+                self._recent.popitem(last=False)
+        for wake in rung:
+            wake.ring()
+
+
+def _shutdown(response: requests.Response) -> None:
+    """Unblock the thread reading a streamed response (closing alone does not wake a recv)."""
+    with contextlib.suppress(Exception):
+        sock = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+    with contextlib.suppress(Exception):
+        response.close()
+
+
+class _LeaseNotFound(BackendUnavailable):
+    """The process lease expired on the server (the process stalled): grant a new one."""
+
+
+_TRANSPORT = (ConnectionFailedError, ConnectionTimeoutError, requests.RequestException, OSError)
+
+
+class EtcdBackend:
+    """Sync etcd backend; safe to share between threads, reset in a forked child."""
+
+    info = INFO
+
+    def __init__(self, url: str = "etcd://127.0.0.1:2379", *, prefix: str | None = None,
+                 timeout_s: float = 5.0) -> None:
+        self.endpoints, url_prefix = parse_etcd_url(url)
+        self.prefix = (prefix or url_prefix or DEFAULT_PREFIX).encode()
+        self.timeout_s = timeout_s
+        self._mutex = threading.Lock()
+        self._lease_mutex = threading.Lock()  # one keepalive or grant at a time per process
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._leases: dict[int, _ProcessLease] = {}
+        # lock key -> (first entry, its mod_revision, when this process first saw that pair)
+        self._silence: dict[str, tuple[bytes, int, float]] = {}
+        self._current = 0
+        self._client: Etcd3Client | None = None
+        self._api_path: str | None = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._deletions: _DeletionWatch | None = None
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _endpoint(self) -> str:
+        host, port = self.endpoints[self._current]
+        return f"{host}:{port}"
+
+    def _new_client(self, pool_size: int = 32, endpoint: int | None = None) -> Etcd3Client:
+        host, port = self.endpoints[self._current if endpoint is None else endpoint]
+        session = requests.Session()
+        session.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=pool_size))
+        return Etcd3Client(host=host, port=port, timeout=self.timeout_s, api_path=self._api_path,
+                           session=session)
+
+    def _etcd(self) -> Etcd3Client:
+        if self._closed:
+            msg = "etcd backend is closed"
+            raise BackendUnavailable(msg)
+        if self._pid != os.getpid():  # a forked child: the parent's leases are not ours
+            self._pid = os.getpid()
+            self._client = None
+            self._deletions = None
+            with self._mutex:
+                self._entries.clear()
+                self._leases.clear()
+                self._silence.clear()
+        client = self._client
+        if client is None:
+            client = self._client = self._new_client()
+        return client
+
+    def _call(self, what: str, step: Callable[[Etcd3Client], T]) -> T:
+        """Run one request; translate etcd3gw and requests errors into ``BackendUnavailable``."""
+        client = self._etcd()
+        try:
+            result = step(client)
+            self._api_path = client.api_path
+            return result
+        except _TRANSPORT as error:
+            msg = f"etcd {self._endpoint()}: {what}: {error}"
+            self._failover(client)
+            raise BackendUnavailable(msg) from error
+        except Etcd3Exception as error:
+            detail = f"{error.detail_text or ''} {error.args}"
+            if "lease not found" in detail:
+                raise _LeaseNotFound(f"etcd: {what}: lease not found") from error
+            msg = f"etcd {self._endpoint()}: {what}: {detail.strip()}"
+            raise BackendUnavailable(msg) from error
+
+    def _failover(self, client: Etcd3Client) -> None:
+        """After a transport error, send the next request to the next endpoint."""
+        if len(self.endpoints) > 1 and self._client is client:
+            self._current = (self._current + 1) % len(self.endpoints)
+            self._client = None
+            client.session.close()
+
+    def _txn(self, what: str, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+             failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        body = {"compare": compare, "success": success, "failure": failure or []}
+        return dict(self._call(what, lambda etcd: etcd.transaction(body)))
+
+    # --- process leases ----------------------------------------------------------------------
+
+    def _lease(self, seconds: int, need_s: float) -> _ProcessLease:
+        """The process lease of class ``seconds``, alive for at least ``need_s`` more."""
+        with self._lease_mutex:
+            lease = self._leases.get(seconds)
+            now = time.monotonic()
+            if lease is not None and lease.expires_at - now >= need_s:
+                return lease
+            if lease is not None and lease.expires_at > now and self._keepalive(lease):
+                return lease
+            sent = time.monotonic()
+            reply = self._call("lease grant", lambda etcd: etcd.post(
+                etcd.get_url("/lease/grant"), json={"TTL": seconds, "ID": 0}))
+            lease = _ProcessLease(id=int(reply["ID"]), seconds=seconds,
+                                  expires_at=sent + int(reply["TTL"]))
+            self._leases[seconds] = lease
+            return lease
+
+    def _keepalive(self, lease: _ProcessLease) -> bool:
+        """One keepalive; False (and forget the lease) if the server says it expired."""
+        sent = time.monotonic()
+        reply = self._call("lease keepalive", lambda etcd: etcd.post(
+            etcd.get_url("/lease/keepalive"), json={"ID": lease.id}))
+        ttl = int(reply.get("result", {}).get("TTL", -1))
+        if ttl <= 0:
+            if self._leases.get(lease.seconds) is lease:
+                del self._leases[lease.seconds]
+            return False
+        lease.expires_at = sent + ttl
+        return True
+
+    def _forget_lease(self, lease: _ProcessLease) -> None:
+        with self._lease_mutex:
+            if self._leases.get(lease.seconds) is lease:
+                del self._leases[lease.seconds]
+
+    # --- the protocol ---------------------------------------------------------------------------
+
+    def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
+        """Create this owner's queue entry if needed and see whether it is first: one txn.
+
+        A keepalive goes first when the process lease could expire within the TTL;
+        expiring a silent holder (see ``_expire_if_silent``) costs two more round trips.
+        """
+        seconds = lease_seconds(ttl_ms)
+        names = _Names.of(self.prefix, key, owner)
+        # The holder's local deadline starts before this call: the lease must outlive the TTL.
+        need_s = ttl_ms / 1000 + 0.01
+        attempt = Attempt(token=None)
+        for _ in range(3):  # a lease that vanished, an entry made elsewhere, a silent holder
+            with self._mutex:
+                entry = self._entries.get((key, owner))
+            lease = self._lease(seconds, need_s)
+            sent = time.monotonic()
+            try:
+                reply = self._acquire_txn(names, lease.id, entry)
+            except _LeaseNotFound:
+                self._forget_lease(lease)
+                continue
+            step = self._read_acquire(key, owner, names, seconds, entry, reply)
+            if step is None:  # our entry, unknown to this object: read again knowing it
+                continue
+            attempt, head = step
+            if attempt.granted:
+                with self._mutex:
+                    self._silence.pop(key, None)
+                return attempt
+            retry_ms = self._expire_if_silent(names, key, head, sent)
+            if retry_ms is not None:
+                return Attempt(token=None, retry_ms=retry_ms)
+        return attempt
+
+    def _acquire_txn(self, names: _Names, lease_id: int, entry: _Entry | None) -> dict[str, Any]:
+        """Success (a new entry): [put, newest two, floor, head]. Failure (already queued):
+        [mine, the one ahead, floor, head, touch mine if first]."""
+        head = _range(names.queue, names.queue_end, limit=1, by_creation=True)
+        failure = [_range(names.entry), head, _range(names.floor), head]
+        if entry is not None:
+            failure[1] = _range(names.queue, names.queue_end, limit=1, by_creation=True,
+                                newest_first=True, max_create_revision=max(1, entry.revision - 1))
+            # First in line: touch the entry, so the grant starts its silence clock afresh.
+            failure.append({"request_txn": {
+                "compare": [{"key": _b64(names.queue), "range_end": _b64(names.queue_end),
+                             "target": "CREATE", "result": "GREATER",
+                             "create_revision": entry.revision - 1}],
+                "success": [_touch(names.entry)], "failure": []}})
+        return self._txn(
+            "acquire",
+            compare=[{"key": _b64(names.entry), "target": "CREATE", "result": "EQUAL",
+                      "create_revision": 0}],
+            success=[
+                {"request_put": {"key": _b64(names.entry), "value": "", "lease": lease_id}},
+                _range(names.queue, names.queue_end, limit=2, by_creation=True, newest_first=True),
+                _range(names.floor),
+                head,
+            ],
+            failure=failure,
+        )
+
+    def _read_acquire(self, key: str, owner: str, names: _Names, seconds: int,
+                      entry: _Entry | None, reply: dict[str, Any]
+                      ) -> tuple[Attempt, tuple[bytes, int]] | None:
+        """The attempt and the head entry (key, mod_revision); None to ask again."""
+        revision = int(reply["header"]["revision"])
+        responses = reply.get("responses", [])
+        offset = _offset(responses[2])
+        first = _kvs(responses[3])[0]
+        head = (_unb64(first["key"]), int(first["mod_revision"]))
+        if reply.get("succeeded"):
+            mine = revision
+            newest = _kvs(responses[1])  # my new entry, then the one just ahead of it
+            ahead = _unb64(newest[1]["key"]) if len(newest) > 1 else None
+        else:
+            mine = int(_kvs(responses[0])[0]["create_revision"])
+            if entry is None or entry.revision != mine:
+                with self._mutex:  # remember it; the next read touches it if it is first
+                    self._entries[(key, owner)] = _Entry(revision=mine, lease_seconds=seconds,
+                                                         ahead=None, seen=revision)
+                return None
+            found = _kvs(responses[1])
+            ahead = _unb64(found[0]["key"]) if found else None
+        token = None
+        if ahead is None:
+            known = entry.token if entry is not None and entry.revision == mine else None
+            token = known if known is not None else mine + offset
+        with self._mutex:
+            self._entries[(key, owner)] = _Entry(revision=mine, lease_seconds=seconds,
+                                                 ahead=ahead, seen=revision, token=token)
+        return Attempt(token=token), head
+
+    def _expire_if_silent(self, names: _Names, key: str, head: tuple[bytes, int],
+                          sent: float) -> int | None:
+        """Delete the first entry if it has not been touched for its whole TTL.
+
+        Holders touch their entry on every renewal (and on the grant), so an entry
+        whose mod_revision this process saw unchanged from ``first_seen`` (when the
+        reply arrived) until ``sent`` (before the request that saw it again) has been
+        silent on the server for longer than that: its holder's local deadline has
+        passed, and the delete is conditional on the same mod_revision. This frees a
+        crashed holder's lock within its TTL, not the lease's whole seconds.
+        Returns None after a delete (ask again), else ms until the entry would be silent.
+        """
+        holder_ttl_ms = _owner_ttl_ms(head[0])
+        now = time.monotonic()
+        with self._mutex:
+            seen = self._silence.get(key)
+            if seen is None or seen[:2] != head:
+                self._silence[key] = (head[0], head[1], now)
+                silent_s = 0.0
+            else:
+                silent_s = sent - seen[2]
+        if holder_ttl_ms is None:
+            return 0
+        if silent_s * 1000 < holder_ttl_ms:
+            return max(1, math.ceil(holder_ttl_ms - silent_s * 1000))
+        self._txn(  # deleted, or touched meanwhile: either way, ask again
+            "expire silent holder",
+            compare=[{"key": _b64(head[0]), "target": "MOD", "result": "EQUAL",
+                      "mod_revision": head[1]}],
+            success=[{"request_delete_range": {"key": _b64(head[0])}}],
+        )
+        with self._mutex:
+            self._silence.pop(key, None)
+        return None
+
+    def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
+        """Sleep until the entry ahead of ours is deleted; the next try_acquire takes the lock.
+
+        Always None: etcd has no hand-off, the woken waiter takes the lock itself.
+        """
+        plan = self._wait_plan(key, owner, timeout_s)
+        if plan is None:
+            return None
+        ahead, seen, budget = plan
+        wake = _Wake()
+        deletions = self._watch()
+        deletions.subscribe(ahead, seen, wake)
+        try:
+            wake.event.wait(budget)
+        finally:
+            deletions.unsubscribe(ahead, wake)
+        return None
+
+    def _wait_plan(self, key: str, owner: str, timeout_s: float) -> tuple[bytes, int, float] | None:
+        """What to wait for, and how long: at most a third of the lease TTL, so that the
+        caller's next try_acquire keeps the lease (and our place in line) alive."""
+        self._etcd()
+        with self._mutex:
+            entry = self._entries.get((key, owner))
+        if entry is None or entry.ahead is None:
+            return None
+        return entry.ahead, entry.seen, max(0.001, min(timeout_s, entry.lease_seconds / 3))
+
+    def _watch(self) -> _DeletionWatch:
+        deletions = self._deletions
+        if deletions is None:
+            with self._mutex:
+                if self._deletions is None:
+                    self._deletions = _DeletionWatch(self, self.prefix + b"q/")
+                deletions = self._deletions
+        return deletions
+
+    def release(self, key: str, owner: str) -> bool:
+        """Delete this owner's entry (held or queued); True if it was first in line. One txn."""
+        names = _Names.of(self.prefix, key, owner)
+        reply = self._txn("release", [], [
+            _range(names.queue, names.queue_end, limit=1, by_creation=True),
+            {"request_delete_range": {"key": _b64(names.entry)}},
+        ])
+        with self._mutex:
+            self._entries.pop((key, owner), None)
+        head = _kvs(reply["responses"][0])
+        return bool(head) and _unb64(head[0]["key"]) == names.entry
+
+    def renew(self, held: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """One keepalive per lease class, then one txn touching every entry still ours.
+
+        Each touch is a nested txn (compare the entry's create_revision, then a put
+        that keeps value and lease), so the check and the proof of life are one step;
+        contenders read the moving mod_revision as "this holder is alive".
+        """
+        if not held:
+            return []
+        classes = [lease_seconds(ttl_ms) for _, _, ttl_ms in held]
+        alive: dict[int, bool] = {}
+        for seconds in sorted(set(classes)):
+            with self._lease_mutex:
+                lease = self._leases.get(seconds)
+                alive[seconds] = lease is not None and self._keepalive(lease)
+        touches = []
+        for key, owner, _ in held:
+            name = _Names.of(self.prefix, key, owner).entry
+            with self._mutex:
+                entry = self._entries.get((key, owner))
+            ours = ({"target": "CREATE", "result": "EQUAL", "create_revision": entry.revision}
+                    if entry is not None else
+                    {"target": "CREATE", "result": "GREATER", "create_revision": 0})
+            touches.append({"request_txn": {"compare": [{"key": _b64(name), **ours}],
+                                            "success": [_touch(name)], "failure": []}})
+        touched: list[bool] = []
+        for start in range(0, len(touches), MAX_TXN_OPS):
+            reply = self._txn("renew", [], touches[start:start + MAX_TXN_OPS])
+            touched.extend(bool(r.get("response_txn", {}).get("succeeded"))
+                           for r in reply.get("responses", []))
+        return [alive[seconds] and ok for seconds, ok in zip(classes, touched, strict=True)]
+
+    def raise_floor(self, key: str, token: int) -> None:
+        """Raise the key's offset so that even the oldest queued entry's token exceeds ``token``."""
+        names = _Names.of(self.prefix, key)
+        for _ in range(10):
+            reply = self._txn("read floor", [], [
+                _range(names.floor),
+                _range(names.queue, names.queue_end, limit=1, by_creation=True),
+            ])
+            floor_kvs, head = _kvs(reply["responses"][0]), _kvs(reply["responses"][1])
+            current = _offset(reply["responses"][0])
+            oldest = int(head[0]["create_revision"]) if head else int(reply["header"]["revision"]) + 1
+            needed = token - oldest + 1
+            if needed <= current:
+                return
+            version = int(floor_kvs[0]["mod_revision"]) if floor_kvs else 0
+            written = self._txn(
+                "raise floor",
+                compare=[{"key": _b64(names.floor), "target": "MOD", "result": "EQUAL",
+                          "mod_revision": version}],
+                success=[{"request_put": {"key": _b64(names.floor),
+                                          "value": _b64(str(needed).encode())}}],
+            )
+            if written.get("succeeded"):
+                return
+        msg = f"etcd: could not raise the floor of {key!r} (too much contention)"
+        raise BackendUnavailable(msg)
+
+    def current_token(self, key: str) -> int:
+        """The token of the current holder of ``key`` (0 when nobody holds it)."""
+        names = _Names.of(self.prefix, key)
+        reply = self._txn("read holder", [], [
+            _range(names.queue, names.queue_end, limit=1, by_creation=True), _range(names.floor)])
+        head = _kvs(reply["responses"][0])
+        return int(head[0]["create_revision"]) + _offset(reply["responses"][1]) if head else 0
+
+    def close(self) -> None:
+        """Revoke this process's leases (its entries vanish at once) and drop the client."""
+        if self._closed:
+            return
+        with self._lease_mutex:
+            leases, self._leases = list(self._leases.values()), {}
+        if self._pid == os.getpid():
+            for lease in leases:
+                with contextlib.suppress(BackendUnavailable):  # gone: it expires on its own
+                    self._call("lease revoke", lambda etcd, lid=lease.id: etcd.post(
+                        etcd.get_url("/lease/revoke"), json={"ID": lid}))
+        with self._mutex:
+            self._entries.clear()
+        self._closed = True
+        if self._deletions is not None:
+            self._deletions.close()
+            self._deletions = None
+        if self._client is not None:
+            self._client.session.close()
+            self._client = None
+
+
+class AsyncEtcdBackend:
+    """The asyncio face of ``EtcdBackend``: etcd3gw is synchronous, so each request runs in a
+    worker thread; waiting is a future rung by the backend's watch thread."""
+
+    info = INFO
+
+    def __init__(self, sync: EtcdBackend) -> None:
+        self.sync = sync
+
+    async def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
+        return await asyncio.to_thread(self.sync.try_acquire, key, owner, ttl_ms)
+
+    async def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
+        """Await the doorbell on the event loop: a waiting task holds no thread."""
+        plan = self.sync._wait_plan(key, owner, timeout_s)
+        if plan is None:
+            return None
+        ahead, seen, budget = plan
+        wake = _Wake(asyncio.get_running_loop())
+        assert wake.future is not None
+        deletions = self.sync._watch()
+        deletions.subscribe(ahead, seen, wake)
+        try:
+            await asyncio.wait_for(wake.future, budget)
+        except TimeoutError:
+            pass
+        finally:
+            deletions.unsubscribe(ahead, wake)
+        return None
+
+    async def release(self, key: str, owner: str) -> bool:
+        return await asyncio.to_thread(self.sync.release, key, owner)
+
+    async def raise_floor(self, key: str, token: int) -> None:
+        await asyncio.to_thread(self.sync.raise_floor, key, token)
+
+    async def aclose(self) -> None:
+        return None  # the sync backend renews this one's leases; the manager closes it
