@@ -185,7 +185,8 @@ class ToolGuard:
             tool=intent.tool, idempotency_key=key, args_hash=args_hash(args),
             agent=_text(intent.agent), workflow=_workflow(intent), keys=keys,
             intent_id=_text(intent.call_id or intent.id),
-            args=_storable(redacted_args(rule, args)), node_attempt=intent.node_attempt)
+            args=_storable(redacted_args(rule, args) if rule.redact else args),
+            node_attempt=intent.node_attempt)
         after = tuple((earlier, ordering_keys(rule, self.policy.tools[earlier], args))
                       for earlier in rule.after)
         return _Prepared(rule, args, model, keys, record, after)
@@ -410,28 +411,31 @@ def _workflow(intent: Intent) -> str | None:
 
 
 def _text(value: str | None, limit: int = 200) -> str | None:
-    """Untrusted text as every store can keep it: bounded, no NUL, no lone surrogate.
+    """Untrusted text as every store can keep it (see ``_clean``), bounded; None stays None."""
+    return None if value is None else _clean(value[:limit])
+
+
+def _clean(text: str) -> str:
+    """``text`` without NUL and lone surrogates (each becomes U+FFFD).
 
     PostgreSQL refuses NUL in ``text`` and ``\\u0000`` in ``jsonb``, and UTF-8
-    has no lone surrogates; a call whose audit row cannot be written would go
-    unaudited, so such characters become U+FFFD in what the audit log keeps.
+    has no lone surrogates: an audit row holding one could not be written, and
+    the call would go unaudited. Only what the audit log keeps is cleaned; the
+    tool, the lock keys and the args hash see the validated values unchanged.
     """
-    if value is None:
-        return None
-    value = value[:limit]
-    if "\x00" in value:
-        value = value.replace("\x00", "\ufffd")
-    if not value.isascii():
-        value = "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in value)
-    return value
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    if not text.isascii():
+        text = "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in text)
+    return text
 
 
 def _storable(value: Any) -> Any:
-    """``value`` (JSON) with every string and key made safe by ``_text`` (no length bound)."""
+    """A JSON value with every string and object key passed through ``_clean``."""
     if isinstance(value, str):
-        return _text(value, limit=len(value))
+        return _clean(value)
     if isinstance(value, Mapping):
-        return {_text(str(k), limit=len(str(k))): _storable(v) for k, v in value.items()}
+        return {_clean(str(k)): _storable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_storable(v) for v in value]
     return value
@@ -514,7 +518,7 @@ def _shape(value: Any, depth: int = 0) -> Any:
     if depth > 2:
         return "..."
     if isinstance(value, Mapping):
-        return {_text(str(k), limit=40): _shape(v, depth + 1) for k, v in list(value.items())[:20]}
+        return {_clean(str(k)[:40]): _shape(v, depth + 1) for k, v in list(value.items())[:20]}
     if isinstance(value, list | tuple):
         return f"list[{len(value)}]"
     if isinstance(value, str):
