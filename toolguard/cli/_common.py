@@ -1,0 +1,152 @@
+"""What every ``toolguard`` command shares: exit codes, error handling, stores, times."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from toolguard.errors import BackendUnavailable, ConfigurationError, PolicyError, ToolGuardError
+
+if TYPE_CHECKING:
+    from toolguard.store import GuardedStore
+
+__all__ = [
+    "EXIT_CODES_HELP",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "SchemaOption",
+    "TimeoutOption",
+    "UrlOption",
+    "console",
+    "fail",
+    "failures",
+    "open_cli_store",
+    "parse_moment",
+    "redact",
+    "resolve_store_url",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_REFUSED = 4
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0  ok
+  1  a check or verification failed
+  2  usage error: a bad option, argument, file or URL
+  3  a backend (lock server or store) cannot be reached
+  4  the backend refused (permissions, a broken schema)"""
+
+UrlOption = Annotated[str | None, typer.Option(
+    "--url", metavar="URL",
+    help="Store URL (postgresql://... or sqlite:///...). Default: TOOLGUARD_DATABASE_URL, else the "
+         "embedded SQLite file (./.toolguard/store.db).", show_default=False)]
+SchemaOption = Annotated[str | None, typer.Option(
+    "--schema", metavar="SCHEMA",
+    help="PostgreSQL schema holding toolguard's tables. Default: the search_path.",
+    show_default=False)]
+TimeoutOption = Annotated[float, typer.Option(
+    "--timeout", min=0.1, metavar="SECONDS", help="Seconds to wait for a server before giving up (exit 3).")]
+
+
+def console(stderr: bool = False) -> Console:
+    """A console that never wraps machine-readable text and never highlights numbers."""
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """One line on stderr, then exit with ``code``; never a traceback."""
+    console(stderr=True).print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def failures(where: str = "") -> Iterator[None]:
+    """Expected failures become one line on stderr and the documented exit code."""
+    prefix = f"{where}: " if where else ""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except (ConfigurationError, PolicyError) as error:
+        fail(f"{prefix}{error}", EXIT_USAGE)
+    except BackendUnavailable as error:
+        fail(f"{prefix}cannot reach the backend: {error}", EXIT_UNREACHABLE)
+    except ToolGuardError as error:
+        if error.reason == "schema_not_installed":
+            fail(f"{prefix}{error}", EXIT_FAILED)
+        fail(f"{prefix}{error.reason}: {error}", EXIT_REFUSED)
+    except OSError as error:  # a file we could not read or write
+        fail(f"{prefix}{error}", EXIT_USAGE)
+    except Exception as error:  # a driver error we do not map: still no traceback
+        fail(f"{prefix}{type(error).__name__}: {str(error).strip()}", EXIT_REFUSED)
+
+
+def resolve_store_url(url: str | None) -> str:
+    if url:
+        return url
+    from toolguard.config import Settings
+
+    return Settings().resolved_store_url()
+
+
+def open_cli_store(url: str, schema: str | None = None, timeout: float = 5.0,
+                   *, install: bool = False) -> GuardedStore:
+    """A store for one short command: a small PostgreSQL pool that fails fast."""
+    from toolguard.store import open_store
+
+    options: dict[str, Any] = {}
+    if url.startswith(("postgresql:", "postgres:")):
+        options = {"schema": schema, "timeout_s": timeout, "min_size": 0, "max_size": 2}
+    elif schema:
+        msg = "--schema only applies to PostgreSQL"
+        raise ConfigurationError(msg)
+    return open_store(url, install=install, **options)
+
+
+_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day|days|w|wk)\s*(?:ago)?\s*$",
+                       re.IGNORECASE)
+_UNITS = {"s": "seconds", "sec": "seconds", "m": "minutes", "min": "minutes", "h": "hours",
+          "hr": "hours", "d": "days", "day": "days", "days": "days", "w": "weeks", "wk": "weeks"}
+
+
+def parse_moment(text: str, *, now: datetime | None = None) -> datetime:
+    """``30m``, ``2h``, ``7d`` (that long ago), ``now``, ``today`` (00:00 UTC), or ISO 8601.
+
+    A time without an offset is UTC, like everything the audit log shows.
+    Raises ``ValueError`` with a readable message.
+    """
+    now = now or datetime.now(UTC)
+    cleaned = text.strip()
+    if cleaned.lower() == "now":
+        return now
+    if cleaned.lower() == "today":
+        return now.replace(hour=0, minute=0, second=0, microsecond=0)
+    match = _RELATIVE.match(cleaned)
+    if match:
+        amount, unit = float(match.group(1)), _UNITS[match.group(2).lower()]
+        return now - timedelta(**{unit: amount})
+    try:
+        moment = datetime.fromisoformat(cleaned)
+    except ValueError:
+        msg = (f"{text!r} is not a time: use e.g. 30m, 2h, 7d, today, 2025-01-31 or "
+               f"2025-01-31T14:00:00+02:00")
+        raise ValueError(msg) from None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment

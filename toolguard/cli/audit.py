@@ -1,0 +1,574 @@
+"""``toolguard audit``: what the agents did, and what they tried that the guard refused.
+
+``toolguard audit --rejected`` answers "what did the agents try that we refused,
+and why" in one command; ``list`` filters, ``show ID`` prints one entry in full,
+``stats`` counts by reason and tool (optionally per hour or day). ``--json`` and
+``--csv`` give the same rows to other tools.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from toolguard.cli._common import (
+    EXIT_CODES_HELP,
+    EXIT_USAGE,
+    SchemaOption,
+    TimeoutOption,
+    UrlOption,
+    console,
+    fail,
+    failures,
+    open_cli_store,
+    parse_moment,
+    redact,
+    resolve_store_url,
+)
+
+if TYPE_CHECKING:
+    from toolguard.store import AuditEntry, GuardedStore
+
+__all__ = ["AuditFilters", "audit_app"]
+
+DECISIONS = ("accepted", "replayed", "rejected", "failed", "unknown")
+DECISION_STYLE = {"accepted": "green", "replayed": "cyan", "rejected": "bold red",
+                  "failed": "red", "unknown": "yellow"}
+#: One line per reason code, for people reading a refusal.
+REASONS = {
+    "applied": "the intent ran and its write committed",
+    "duplicate": "already applied under this idempotency key: the recorded result was returned",
+    "stale_fencing_token": "a newer lock holder had written: a stalled holder's late write was refused",
+    "out_of_order": "an `after:` tool had not applied on this resource yet",
+    "not_authorized": "this agent may not call this tool",
+    "unknown_tool": "the tool is not in the policy (denied by default)",
+    "invalid_arguments": "the arguments broke the tool's schema or a policy constraint",
+    "lock_timeout": "the lock stayed busy past the wait timeout",
+    "lease_lost": "the lease expired or was taken while the tool ran",
+    "not_owned": "the lock server says another holder owns the lock",
+    "idempotency_conflict": "the same idempotency key came with other arguments",
+    "missing_idempotency_key": "an unfenced tool needs a stable idempotency key",
+    "backend_unavailable": "the lock server or store could not be reached",
+    "interrupted": "a LangGraph interrupt paused the call; resuming re-runs it",
+    "cancelled": "the call was cancelled mid-flight; its outcome is reconciled on the next attempt",
+    "tool_error": "the tool reported an error; its transaction was rolled back",
+    "error": "the tool raised; its transaction was rolled back",
+}
+CSV_COLUMNS = ("id", "at", "decision", "reason", "agent", "tool", "keys", "intent_id",
+               "idempotency_key", "workflow", "tokens", "args", "detail", "duration_ms",
+               "node_attempt")
+PAGE = 2000
+
+audit_app = typer.Typer(
+    name="audit",
+    help="Review the audit log: every decision the guard took, accepted or refused.\n\n"
+         "With no command it lists the newest entries: `toolguard audit --rejected` shows what "
+         "the agents tried that was refused, and why. Filters given before a command apply to "
+         "it (`toolguard audit --tool set_tier stats`). Times are UTC.\n\n" + EXIT_CODES_HELP,
+    no_args_is_help=False, invoke_without_command=True, pretty_exceptions_enable=False)
+
+
+# --- filters -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AuditFilters:
+    """The filters every audit command understands (merged: command over group)."""
+
+    decision: tuple[str, ...] = ()
+    reason: tuple[str, ...] = ()
+    tool: tuple[str, ...] = ()
+    agent: tuple[str, ...] = ()
+    key: str | None = None
+    workflow: str | None = None
+    intent: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    url: str | None = None
+    schema: str | None = None
+    timeout: float = 5.0
+
+    def merged(self, other: AuditFilters) -> AuditFilters:
+        """``other``'s values where it has one, else ours."""
+        values = {}
+        for name in AuditFilters.__dataclass_fields__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            default = AuditFilters.__dataclass_fields__[name].default
+            values[name] = theirs if theirs not in (None, (), default) else mine
+        return AuditFilters(**values)
+
+    def query(self) -> dict[str, Any]:
+        """Keyword arguments for ``store.query_audit``."""
+        out: dict[str, Any] = {}
+        for name in ("decision", "reason", "tool", "agent"):
+            if getattr(self, name):
+                out[name] = list(getattr(self, name))
+        for name, arg in (("key", "key"), ("workflow", "workflow"), ("intent", "intent_id"),
+                          ("since", "since"), ("until", "until")):
+            if getattr(self, name) is not None:
+                out[arg] = getattr(self, name)
+        return out
+
+    def describe(self) -> str:
+        parts = []
+        for name in ("decision", "reason", "tool", "agent"):
+            if getattr(self, name):
+                parts.append(f"{name} {'|'.join(getattr(self, name))}")
+        for name in ("key", "workflow", "intent"):
+            if getattr(self, name):
+                parts.append(f"{name} {getattr(self, name)}")
+        if self.since:
+            parts.append(f"since {_when(self.since)}")
+        if self.until:
+            parts.append(f"until {_when(self.until)}")
+        return ", ".join(parts)
+
+
+def _moment(value: str | None, option: str) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return parse_moment(value)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint=option) from None
+
+
+def _decisions(values: list[str] | None, rejected: bool) -> tuple[str, ...]:
+    chosen = [v.strip().lower() for v in values or []]
+    for value in chosen:
+        if value not in DECISIONS:
+            msg = f"{value!r} is not a decision; choose from {', '.join(DECISIONS)}"
+            raise typer.BadParameter(msg, param_hint="--decision")
+    if rejected and "rejected" not in chosen:
+        chosen.append("rejected")
+    return tuple(chosen)
+
+
+def _filters(decision: list[str] | None, rejected: bool, reason: list[str] | None,
+             tool: list[str] | None, agent: list[str] | None, key: str | None,
+             workflow: str | None, intent: str | None, since: str | None, until: str | None,
+             url: str | None, schema: str | None, timeout: float) -> AuditFilters:
+    start, end = _moment(since, "--since"), _moment(until, "--until")
+    if start and end and start >= end:
+        raise typer.BadParameter(f"--since ({_when(start)}) is not before --until ({_when(end)})",
+                                 param_hint="--since")
+    return AuditFilters(decision=_decisions(decision, rejected), reason=tuple(reason or ()),
+                        tool=tuple(tool or ()), agent=tuple(agent or ()), key=key,
+                        workflow=workflow, intent=intent, since=start, until=end, url=url,
+                        schema=schema, timeout=timeout)
+
+
+DecisionOpt = Annotated[list[str] | None, typer.Option(
+    "--decision", "-d", metavar="DECISION",
+    help="Only this decision (accepted, replayed, rejected, failed, unknown). "
+                             "Repeatable.", show_default=False)]
+RejectedOpt = Annotated[bool, typer.Option(
+    "--rejected", help="Everything the guard refused (same as --decision rejected).")]
+ReasonOpt = Annotated[list[str] | None, typer.Option(
+    "--reason", "-r", metavar="REASON", help="Only this reason code, e.g. stale_fencing_token. Repeatable.",
+    show_default=False)]
+ToolOpt = Annotated[list[str] | None, typer.Option(
+    "--tool", "-t", metavar="TOOL", help="Only calls of this tool. Repeatable.", show_default=False)]
+AgentOpt = Annotated[list[str] | None, typer.Option(
+    "--agent", "-a", metavar="AGENT", help="Only calls by this agent. Repeatable.", show_default=False)]
+KeyOpt = Annotated[str | None, typer.Option(
+    "--key", "-k", metavar="KEY", help="Only entries that locked this resource key, e.g. lead:L-103.",
+    show_default=False)]
+WorkflowOpt = Annotated[str | None, typer.Option(
+    "--workflow", metavar="THREAD",
+    help="Only this workflow (LangGraph thread id, else run id).", show_default=False)]
+IntentOpt = Annotated[str | None, typer.Option(
+    "--intent", metavar="CALL_ID", help="Only this intent (the tool-call id).", show_default=False)]
+SinceOpt = Annotated[str | None, typer.Option(
+    "--since", metavar="WHEN", help="From this time on: 30m, 2h, 7d (ago), today, or ISO 8601 (UTC unless it "
+                    "has an offset).", show_default=False)]
+UntilOpt = Annotated[str | None, typer.Option(
+    "--until", metavar="WHEN", help="Before this time (same forms as --since).", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="JSON for other tools instead of a table.")]
+CsvOpt = Annotated[bool, typer.Option("--csv", help="CSV for spreadsheets instead of a table.")]
+
+
+def _format(json_out: bool, csv_out: bool) -> Literal["table", "json", "csv"]:
+    if json_out and csv_out:
+        raise typer.BadParameter("give --json or --csv, not both", param_hint="--json")
+    return "json" if json_out else "csv" if csv_out else "table"
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+@audit_app.callback()
+def audit(
+    ctx: typer.Context,
+    decision: DecisionOpt = None, rejected: RejectedOpt = False, reason: ReasonOpt = None,
+    tool: ToolOpt = None, agent: AgentOpt = None, key: KeyOpt = None,
+    workflow: WorkflowOpt = None, intent: IntentOpt = None,
+    since: SinceOpt = None, until: UntilOpt = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=0, metavar="N",
+                                       help="Show at most this many (0: all).")] = 50,
+    oldest_first: Annotated[bool, typer.Option("--oldest-first", help="Oldest entries first.")]
+    = False,
+    json_out: JsonOpt = False, csv_out: CsvOpt = False,
+    url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
+) -> None:
+    """Review the audit log (with no command: list the newest entries)."""
+    filters = _filters(decision, rejected, reason, tool, agent, key, workflow, intent, since, until,
+                       url, schema, timeout)
+    ctx.obj = filters
+    if ctx.invoked_subcommand is None:
+        _list(filters, limit=limit, oldest_first=oldest_first, fmt=_format(json_out, csv_out))
+
+
+@audit_app.command("list")
+def list_command(
+    ctx: typer.Context,
+    decision: DecisionOpt = None, rejected: RejectedOpt = False, reason: ReasonOpt = None,
+    tool: ToolOpt = None, agent: AgentOpt = None, key: KeyOpt = None,
+    workflow: WorkflowOpt = None, intent: IntentOpt = None,
+    since: SinceOpt = None, until: UntilOpt = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=0, metavar="N",
+                                       help="Show at most this many (0: all).")] = 50,
+    oldest_first: Annotated[bool, typer.Option("--oldest-first", help="Oldest entries first.")]
+    = False,
+    json_out: JsonOpt = False, csv_out: CsvOpt = False,
+    url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
+) -> None:
+    """List audit entries, newest first, filtered (--rejected: what was refused, and why)."""
+    own = _filters(decision, rejected, reason, tool, agent, key, workflow, intent, since, until,
+                   url, schema, timeout)
+    _list(_parent(ctx).merged(own), limit=limit, oldest_first=oldest_first,
+          fmt=_format(json_out, csv_out))
+
+
+@audit_app.command("show")
+def show_command(
+    ctx: typer.Context,
+    entry_id: Annotated[int, typer.Argument(metavar="ID", min=1, help="The entry's id (first column "
+                                                                      "of `toolguard audit`).")],
+    json_out: JsonOpt = False,
+    url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
+) -> None:
+    """Show one audit entry in full: keys, tokens, redacted arguments, the whole detail."""
+    filters = _parent(ctx).merged(AuditFilters(url=url, schema=schema, timeout=timeout))
+    with _store(filters) as store:
+        found = store.query_audit(after_id=entry_id - 1, limit=1, newest_first=False)
+    if not found or found[0].id != entry_id:
+        fail(f"no audit entry with id {entry_id} in {redact(resolve_store_url(filters.url))}",
+             EXIT_USAGE)
+    entry = found[0]
+    if json_out:
+        typer.echo(json.dumps(_jsonable(entry), indent=2, ensure_ascii=False))
+        return
+    out = console()
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    table.add_row("id", str(entry.id))
+    table.add_row("at", _when(entry.at))
+    table.add_row("decision", Text(entry.decision, style=DECISION_STYLE.get(entry.decision, "")))
+    reason = Text(entry.reason)
+    if entry.reason in REASONS:
+        reason.append(f"  ({REASONS[entry.reason]})", style="dim")
+    table.add_row("reason", reason)
+    for name in ("agent", "tool", "intent_id", "idempotency_key", "workflow"):
+        table.add_row(name.replace("_", " "), Text(str(getattr(entry, name) or "-")))
+    table.add_row("keys", Text(", ".join(entry.keys) or "-"))
+    table.add_row("tokens", Text(", ".join(f"{k}={v}" for k, v in entry.tokens.items()) or "-"))
+    table.add_row("node attempt", str(entry.node_attempt or "-"))
+    table.add_row("duration", f"{entry.duration_ms:.1f} ms" if entry.duration_ms is not None else "-")
+    table.add_row("args", Text(json.dumps(entry.args, indent=2, ensure_ascii=False)
+                               if entry.args is not None else "-"))
+    table.add_row("detail", Text(entry.detail or "-"))
+    out.print(table)
+
+
+@audit_app.command("stats")
+def stats_command(
+    ctx: typer.Context,
+    by: Annotated[str | None, typer.Option(
+        "--by", metavar="hour|day", help="Also count per hour or per day (UTC).",
+        show_default=False)] = None,
+    decision: DecisionOpt = None, rejected: RejectedOpt = False, reason: ReasonOpt = None,
+    tool: ToolOpt = None, agent: AgentOpt = None, key: KeyOpt = None,
+    workflow: WorkflowOpt = None, intent: IntentOpt = None,
+    since: SinceOpt = None, until: UntilOpt = None,
+    json_out: JsonOpt = False, csv_out: CsvOpt = False,
+    url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
+) -> None:
+    """Count entries by decision and reason, and by tool; --by hour|day adds a time series."""
+    if by is not None and by not in ("hour", "day"):
+        raise typer.BadParameter(f"{by!r}: choose hour or day", param_hint="--by")
+    fmt = _format(json_out, csv_out)
+    own = _filters(decision, rejected, reason, tool, agent, key, workflow, intent, since, until,
+                   url, schema, timeout)
+    filters = _parent(ctx).merged(own)
+    stats = _Stats(by)
+    with _store(filters) as store:
+        for entry in _scan(store, filters):
+            stats.add(entry)
+    if fmt == "json":
+        typer.echo(json.dumps(stats.as_dict(), indent=2))
+    elif fmt == "csv":
+        typer.echo(stats.as_csv(), nl=False)
+    else:
+        stats.render(filters)
+
+
+# --- list ----------------------------------------------------------------------------------
+
+
+def _parent(ctx: typer.Context) -> AuditFilters:
+    parent = ctx.parent.obj if ctx.parent is not None else None
+    return parent if isinstance(parent, AuditFilters) else AuditFilters()
+
+
+@contextmanager
+def _store(filters: AuditFilters) -> Iterator[GuardedStore]:
+    """Open the store for one command; expected failures exit with their code."""
+    url = resolve_store_url(filters.url)
+    with failures(redact(url)):
+        store = open_cli_store(url, filters.schema, filters.timeout)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def _list(filters: AuditFilters, *, limit: int, oldest_first: bool,
+          fmt: Literal["table", "json", "csv"]) -> None:
+    with _store(filters) as store:
+        entries = store.query_audit(**filters.query(), limit=limit or None,
+                                    newest_first=not oldest_first)
+    if fmt == "json":
+        typer.echo(json.dumps([_jsonable(e) for e in entries], indent=2, ensure_ascii=False))
+        return
+    if fmt == "csv":
+        typer.echo(_csv(entries), nl=False)
+        return
+    _render_list(entries, filters, limit=limit, oldest_first=oldest_first)
+
+
+def _render_list(entries: list[AuditEntry], filters: AuditFilters, *, limit: int,
+                 oldest_first: bool) -> None:
+    out = console()
+    where = redact(resolve_store_url(filters.url))
+    refused_only = filters.decision == ("rejected",)
+    what = (replace(filters, decision=()) if refused_only else filters).describe()
+    noun = "refused intent" if refused_only else "audit entr"
+    plural = ("s" if len(entries) != 1 else "") if refused_only else ("ies" if len(entries) != 1
+                                                                      else "y")
+    if not entries:
+        out.print(f"No {noun}{'s' if refused_only else 'ies'} in {where}"
+                  f"{f' matching {what}' if what else ''}.")
+        return
+    order = "oldest first" if oldest_first else "newest first"
+    out.print(Text.assemble((f"{len(entries)} {noun}{plural}", "bold"),
+                            f" ({order}{', ' + what if what else ''}) in {where}"))
+    out.print()
+    id_width = max(len(str(e.id)) for e in entries)
+    reason_width = max(len(e.reason) for e in entries)
+    for entry in entries:
+        line = Text()
+        line.append(f"#{entry.id:<{id_width}}", style="bold")
+        line.append(f"  {_when(entry.at, short=True)}  ", style="dim")
+        line.append(f"{entry.decision:<8}", style=DECISION_STYLE.get(entry.decision, ""))
+        line.append(f"  {entry.reason:<{reason_width}}  ")
+        line.append(entry.agent or "?", style="bold")
+        line.append(" → ")
+        line.append(entry.tool or "?", style="bold")
+        if entry.keys:
+            line.append(f"  {' '.join(entry.keys)}", style="cyan")
+        out.print(line, soft_wrap=True)
+        why = _why(entry, width=400)
+        if why:
+            out.print(Text(" " * (id_width + 3) + why, style="dim"), soft_wrap=True)
+    out.print()
+    hints = ["`toolguard audit show ID` prints one entry in full"]
+    if limit and len(entries) >= limit:
+        hints.insert(0, f"showing {limit}; --limit 0 shows all")
+    out.print(Text("; ".join(hints) + ".", style="dim"))
+
+
+def _why(entry: AuditEntry, width: int = 160) -> str:
+    text = entry.detail or REASONS.get(entry.reason, "")
+    if entry.decision == "accepted" and entry.reason == "applied" and not entry.detail:
+        text = ""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _when(moment: datetime | None, *, short: bool = False) -> str:
+    if moment is None:
+        return "-"
+    utc = moment.astimezone(UTC)
+    if short:
+        return utc.strftime("%Y-%m-%d %H:%M:%S")
+    return utc.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _jsonable(entry: AuditEntry) -> dict[str, Any]:
+    data = entry.as_dict()
+    if entry.at is not None:
+        data["at"] = _when(entry.at)
+    return data
+
+
+def _csv(entries: list[AuditEntry]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for entry in entries:
+        data = _jsonable(entry)
+        row = []
+        for column in CSV_COLUMNS:
+            value = data.get(column)
+            if column == "keys":
+                value = " ".join(entry.keys)
+            elif column in ("tokens", "args"):
+                value = "" if value in (None, {}) else json.dumps(value, ensure_ascii=False,
+                                                                  sort_keys=True)
+            row.append("" if value is None else value)
+        writer.writerow(row)
+    return buffer.getvalue()
+
+
+# --- stats ---------------------------------------------------------------------------------
+
+
+def _scan(store: GuardedStore, filters: AuditFilters) -> Iterator[AuditEntry]:
+    """Every matching entry, oldest first, one page at a time (bounded memory)."""
+    after: int | None = None
+    query = filters.query()
+    while True:
+        page = store.query_audit(**query, after_id=after, limit=PAGE, newest_first=False)
+        yield from page
+        if len(page) < PAGE:
+            return
+        after = page[-1].id
+
+
+def _bucket(moment: datetime | None, by: str) -> str:
+    if moment is None:
+        return "-"
+    utc = moment.astimezone(UTC)
+    start = utc.replace(minute=0, second=0, microsecond=0)
+    if by == "day":
+        start = start.replace(hour=0)
+    return start.isoformat().replace("+00:00", "Z")
+
+
+class _Stats:
+    def __init__(self, by: str | None) -> None:
+        self.by = by
+        self.total = 0
+        self.by_decision: Counter[str] = Counter()
+        self.by_reason: Counter[tuple[str, str]] = Counter()
+        self.by_tool: dict[str, Counter[str]] = defaultdict(Counter)
+        self.buckets: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
+        #: bucket x tool x decision x reason: the long form for CSV
+        self.rows: Counter[tuple[str, str, str, str]] = Counter()
+        self.first: datetime | None = None
+        self.last: datetime | None = None
+
+    def add(self, entry: AuditEntry) -> None:
+        self.total += 1
+        bucket = _bucket(entry.at, self.by) if self.by else ""
+        self.rows[(bucket, entry.tool or "-", entry.decision, entry.reason)] += 1
+        self.by_decision[entry.decision] += 1
+        self.by_reason[(entry.decision, entry.reason)] += 1
+        self.by_tool[entry.tool or "-"][entry.decision] += 1
+        if self.by:
+            self.buckets[_bucket(entry.at, self.by)][(entry.decision, entry.reason)] += 1
+        if entry.at is not None:
+            self.first = entry.at if self.first is None else min(self.first, entry.at)
+            self.last = entry.at if self.last is None else max(self.last, entry.at)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "first": _when(self.first) if self.first else None,
+            "last": _when(self.last) if self.last else None,
+            "by_decision": dict(self.by_decision),
+            "by_reason": [{"decision": d, "reason": r, "count": n}
+                          for (d, r), n in self.by_reason.most_common()],
+            "by_tool": {tool: dict(counts) for tool, counts in sorted(self.by_tool.items())},
+            "buckets": [{"start": start, "total": sum(counts.values()),
+                         "by_decision": dict(_sum_by(counts, 0)),
+                         "by_reason": dict(_sum_by(counts, 1))}
+                        for start, counts in sorted(self.buckets.items())] if self.by else None,
+        }
+
+    def as_csv(self) -> str:
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(("bucket", "tool", "decision", "reason", "count"))
+        for (bucket, tool, decision, reason), count in sorted(self.rows.items()):
+            writer.writerow((bucket, tool, decision, reason, count))
+        return buffer.getvalue()
+
+    def render(self, filters: AuditFilters) -> None:
+        out = console()
+        where = redact(resolve_store_url(filters.url))
+        what = filters.describe()
+        if not self.total:
+            out.print(f"No audit entries in {where}{f' matching {what}' if what else ''}.")
+            return
+        span = f", {_when(self.first, short=True)} .. {_when(self.last, short=True)} UTC" \
+            if self.first and self.last else ""
+        out.print(Text.assemble((f"{self.total} audit entries", "bold"),
+                                f" in {where}{', ' + what if what else ''}{span}"))
+        decisions = Table(title="By decision and reason", title_justify="left", show_edge=False,
+                          header_style="bold")
+        decisions.add_column("DECISION")
+        decisions.add_column("REASON")
+        decisions.add_column("COUNT", justify="right")
+        decisions.add_column("MEANING", style="dim", overflow="fold")
+        for (decision, reason), count in sorted(self.by_reason.items(),
+                                                key=lambda item: (DECISIONS.index(item[0][0])
+                                                                  if item[0][0] in DECISIONS else 9,
+                                                                  -item[1])):
+            decisions.add_row(Text(decision, style=DECISION_STYLE.get(decision, "")), reason,
+                              str(count), REASONS.get(reason, ""))
+        out.print(decisions)
+        tools = Table(title="By tool", title_justify="left", show_edge=False, header_style="bold")
+        tools.add_column("TOOL")
+        present = [d for d in DECISIONS if self.by_decision.get(d)]
+        for decision in present:
+            tools.add_column(decision.upper(), justify="right")
+        tools.add_column("TOTAL", justify="right")
+        for tool, counts in sorted(self.by_tool.items(), key=lambda item: -sum(item[1].values())):
+            tools.add_row(tool, *(str(counts.get(d, 0)) for d in present),
+                          str(sum(counts.values())))
+        out.print(tools)
+        if self.by:
+            series = Table(title=f"Per {self.by} (UTC)", title_justify="left", show_edge=False,
+                           header_style="bold")
+            series.add_column(self.by.upper())
+            for decision in present:
+                series.add_column(decision.upper(), justify="right")
+            series.add_column("TOP REFUSAL REASONS", overflow="fold")
+            for start, counts in sorted(self.buckets.items()):
+                per_decision = _sum_by(counts, 0)
+                refused = Counter({r: n for (d, r), n in counts.items() if d == "rejected"})
+                top = ", ".join(f"{r} {n}" for r, n in refused.most_common(3))
+                series.add_row(start.replace("T", " ").replace(":00:00Z", ":00"),
+                               *(str(per_decision.get(d, 0)) for d in present), top or "-")
+            out.print(series)
+
+
+def _sum_by(counts: Counter[tuple[str, str]], index: int) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for key, count in counts.items():
+        out[key[index]] += count
+    return out

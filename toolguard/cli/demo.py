@@ -1,0 +1,289 @@
+"""``toolguard demo``: the lead qualifier, guard off then guard on, side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from toolguard.cli._common import EXIT_FAILED, console, failures, redact
+
+if TYPE_CHECKING:
+    from toolguard.demo import DemoEvent, Report
+
+#: The demo's tools that write a lead (request_review only asks a person).
+WRITE_TOOLS = frozenset({"enrich_lead", "update_intent_score", "verify_email", "set_tier"})
+
+__all__ = ["demo"]
+
+MEANING = {
+    "stale_fencing_token": "the stalled enricher woke after its lease expired; a newer holder "
+                           "had written, so the store refused its write",
+    "out_of_order": "the router tried to set a tier before the lead was enriched/scored; it "
+                    "retried once they had landed",
+    "invalid_arguments": "the scorer sent 80 points; the policy caps a signal at 50 (it re-sent 5)",
+    "not_authorized": "the router tried to bump a score: only intent_scorer may",
+}
+
+
+def demo(
+    directory: Annotated[Path | None, typer.Option(
+        "--dir", metavar="DIR", file_okay=False, dir_okay=True, writable=True, resolve_path=True,
+        help="Where the embedded SQLite files go (default ./.toolguard, like every command). "
+             "Servers are used instead when TOOLGUARD_REDIS_URL / TOOLGUARD_DATABASE_URL are set.",
+        show_default=False)] = None,
+    policy: Annotated[Path | None, typer.Option(
+        "--policy", metavar="FILE", exists=True, dir_okay=False, readable=True,
+        help="Run with this policy instead of the demo's own (e.g. an edited copy).",
+        show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print both reports as JSON, no "
+                                                          "progress.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show toolguard's log "
+                                                                  "messages.")] = False,
+) -> None:
+    """Run the lead-qualifier demo: four parallel LangGraph agents on six leads.
+
+    First without toolguard (lost updates, a double-applied retry, a tier set before
+    scoring, a stalled worker's late write landing), then with it: the records come out
+    right, the stalled write is refused by the fence and every refusal is audited. Runs
+    offline on the embedded SQLite default; running it again replays every intent and
+    changes nothing. Exit 1 if the guarded records are not the expected ones.
+    """
+    from toolguard.config import Settings
+
+    settings = Settings(home=directory) if directory else Settings()
+    folder = settings.home.absolute()
+    lock_url = settings.resolved_lock_url()
+    store_url = settings.resolved_store_url()
+    out = console()
+    with failures(), _quiet_logs(verbose, out):
+        folder.mkdir(parents=True, exist_ok=True)
+        _probe(lock_url)
+        if json_out:
+            unguarded, guarded = _run(lock_url, store_url, policy, None)
+        else:
+            out.print(Rule("toolguard demo: the lead qualifier", style="bold"))
+            out.print(Text.assemble(
+                "Four agents (lead_enricher, intent_scorer, email_verifier, router) work on six "
+                "leads in parallel; each tool reads and rewrites the whole lead record.\n",
+                ("locks ", "dim"), redact(lock_url), ("  ·  store ", "dim"), redact(store_url)))
+            unguarded, guarded = _run(lock_url, store_url, policy, out)
+    if json_out:
+        typer.echo(json.dumps({"ok": guarded.correct, "guard_off": unguarded.as_dict(),
+                               "guard_on": guarded.as_dict()}, indent=2, default=str))
+    else:
+        _summary(out, unguarded, guarded, store_url)
+    if not guarded.correct:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _probe(lock_url: str) -> None:
+    """Fail fast (exit 3) on an unreachable lock server instead of refusing every call."""
+    from toolguard.locks import connect
+
+    locks = connect(lock_url)
+    try:
+        with locks.acquire("toolguard-demo:probe", ttl_ms=1000, timeout_s=5):
+            pass
+    finally:
+        locks.close()
+
+
+@contextlib.contextmanager
+def _quiet_logs(verbose: bool, out: Console) -> Iterator[None]:
+    """The scenario loses a lease on purpose: keep toolguard's warnings out of the way."""
+    logger = logging.getLogger("toolguard")
+    handler: logging.Handler
+    handler = _ConsoleHandler(out) if verbose else logging.NullHandler()
+    saved = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = saved
+
+
+class _ConsoleHandler(logging.Handler):
+    def __init__(self, out: Console) -> None:
+        super().__init__(logging.INFO)
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.out.print(Text(f"  log {record.name}: {record.getMessage()}", style="dim"))
+
+
+def _run(lock_url: str, store_url: str, policy: Path | None,
+         out: Console | None) -> tuple[Report, Report]:
+    from toolguard.demo import POLICY_PATH, run_pipeline
+
+    options = {"timeout_s": 5.0} if store_url.startswith(("postgresql:", "postgres:")) else {}
+    reports = []
+    for guarded in (False, True):
+        label = "guard on " if guarded else "guard off"
+        with _progress(out, label) as notify:
+            reports.append(run_pipeline(guarded=guarded, lock_url=lock_url, store_url=store_url,
+                                        store_options=options, policy_path=policy or POLICY_PATH,
+                                        on_event=notify))
+    return reports[0], reports[1]
+
+
+@contextlib.contextmanager
+def _progress(out: Console | None, label: str) -> Iterator[Any]:
+    if out is None:
+        yield lambda _event: None
+        return
+    mutex = threading.Lock()
+    with Progress(SpinnerColumn(), TextColumn(f"[bold]{label}[/]"), BarColumn(),
+                  MofNCompleteColumn(), TextColumn("leads"), console=out, transient=False) as bar:
+        task = bar.add_task(label, total=6)
+
+        def notify(event: DemoEvent) -> None:
+            with mutex:
+                if event.kind == "lead_done":
+                    bar.advance(task)
+                    return
+                who = f"{event.agent} " if event.agent else ""
+                style = "red" if event.kind == "rejected" else "yellow"
+                bar.console.print(Text.assemble(("  • ", style), (f"{event.lead_id} ", "bold"),
+                                                (f"{event.kind}: ", style), f"{who}{event.detail}"))
+
+        yield notify
+
+
+# --- the summary ---------------------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    return "—" if value is None else str(value)
+
+
+def _summary(out: Console, unguarded: Report, guarded: Report, store_url: str) -> None:
+    from toolguard.config import Settings
+
+    out.print()
+    records = Table(title="Lead records with the guard on", title_justify="left",
+                    caption="✓: equal to the expected record, computed from the scenario alone",
+                    caption_justify="left", header_style="bold", show_edge=False)
+    for column, justify in (("LEAD", "left"), ("COMPANY", "left"), ("EMPLOYEES", "right"),
+                            ("INDUSTRY", "left"), ("E-MAIL", "left"), ("SCORE", "right"),
+                            ("TIER", "left"), ("", "left")):
+        records.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for lead_id, record in guarded.records.items():
+        want = guarded.expected[lead_id]
+        same = all(getattr(record, f) == getattr(want, f)
+                   for f in ("employees", "industry", "email_status", "score", "tier"))
+        records.add_row(lead_id, record.company, _cell(record.employees), _cell(record.industry),
+                        _cell(record.email_status), str(record.score), _cell(record.tier),
+                        Text("✓", style="green") if same else Text("✗ expected "
+                                                                   f"{want.score}/{want.tier}",
+                                                                   style="red"))
+    out.print(records)
+
+    decisions = guarded.decisions()
+    out.print()
+    line = Text("Intents with the guard on (this run): ", style="bold")
+    for name, style in (("accepted", "green"), ("replayed", "cyan"), ("rejected", "red"),
+                        ("unknown", "yellow"), ("failed", "red")):
+        if decisions.get(name):
+            line.append(f"{decisions[name]} {name}", style=style)
+            line.append("  ")
+    out.print(line)
+    if decisions.get("unknown"):
+        out.print(Text("  unknown: a call paused by a LangGraph interrupt, reconciled when the "
+                       "thread resumed", style="dim"))
+    if decisions.get("replayed"):
+        out.print(Text("  replayed: a re-run call (RetryPolicy, resumed interrupt, or a second "
+                       "demo run) returned its recorded result instead of writing again",
+                       style="dim"))
+    refused = guarded.rejected_by_reason()
+    if refused:
+        table = Table(title="Refused, by reason", title_justify="left", header_style="bold",
+                      show_edge=False)
+        table.add_column("REASON", style="red")
+        table.add_column("COUNT", justify="right")
+        table.add_column("WHAT HAPPENED", overflow="fold")
+        for reason, count in refused.most_common():
+            table.add_row(reason, str(count), MEANING.get(reason, ""))
+        out.print(table)
+
+    out.print()
+    out.print(_comparison(unguarded, guarded))
+    out.print()
+    out.print(_scores(unguarded, guarded))
+
+    applied = sum(1 for e in guarded.audit if e.decision == "accepted" and e.tool in WRITE_TOOLS)
+    if decisions.get("replayed") and not applied:
+        out.print(Text("Every write intent was replayed from an earlier run: nothing changed. "
+                       "Delete the demo's folder (or use --dir) to watch it from the start.",
+                       style="cyan"))
+    out.print()
+    where = "" if store_url == Settings().resolved_store_url() else f" --url '{redact(store_url)}'"
+    out.print(Text("Next: what the agents tried that was refused, and why:", style="bold"))
+    out.print(f"  toolguard audit --rejected{where}")
+    stale = guarded.stale_rejections
+    if stale:
+        out.print(f"  toolguard audit show {stale[0].id}{where}      # the stalled worker's write")
+    out.print(f"  toolguard audit stats{where}")
+
+
+def _comparison(unguarded: Report, guarded: Report) -> Table:
+    table = Table(title="Guard off vs guard on", title_justify="left", header_style="bold",
+                  show_edge=False)
+    table.add_column("")
+    table.add_column("GUARD OFF", justify="right")
+    table.add_column("GUARD ON", justify="right")
+
+    def count(report: Report, kind: str) -> Text:
+        n = len(report.of_kind(kind))
+        return Text(str(n), style="red" if n else "green")
+
+    n = len(guarded.expected)
+    right = [sum(1 for lead in r.expected if not any(m[0] == lead for m in r.mismatches))
+             for r in (unguarded, guarded)]
+    table.add_row("records equal to the expected ones",
+                  *(Text(f"{k}/{n}", style="green" if k == n else "red") for k in right))
+    table.add_row("lost updates (a write overwritten by a stale read)",
+                  count(unguarded, "lost_update"), count(guarded, "lost_update"))
+    table.add_row("double-applied retries (RetryPolicy, resumed interrupt)",
+                  count(unguarded, "double_applied"), count(guarded, "double_applied"))
+    table.add_row("tier set before enrichment/scoring landed",
+                  count(unguarded, "tier_before_scoring"), count(guarded, "tier_before_scoring"))
+    table.add_row("writes the policy refuses, applied",
+                  count(unguarded, "unchecked_write"), count(guarded, "unchecked_write"))
+    stale = guarded.stale_rejections
+    table.add_row("stalled worker's late write (past its 500 ms lease)",
+                  Text("landed", style="red") if unguarded.stalls else Text("—"),
+                  Text(f"refused (audit #{stale[0].id})", style="green") if stale
+                  else Text("replayed: applied in an earlier run", style="cyan")
+                  if guarded.stalls else Text("—"))
+    table.add_row("time", f"{unguarded.duration_s:.1f} s", f"{guarded.duration_s:.1f} s")
+    return table
+
+
+def _scores(unguarded: Report, guarded: Report) -> Table:
+    table = Table(title="Score / tier per lead", title_justify="left", header_style="bold",
+                  show_edge=False)
+    for column in ("LEAD", "EXPECTED", "GUARD OFF", "GUARD ON"):
+        table.add_column(column, justify="left" if column == "LEAD" else "right")
+    for lead_id, want in guarded.expected.items():
+        cells = []
+        for report in (unguarded, guarded):
+            got = report.records.get(lead_id)
+            text = f"{got.score} / {_cell(got.tier)}" if got else "—"
+            ok = got is not None and (got.score, got.tier) == (want.score, want.tier)
+            cells.append(Text(text, style="green" if ok else "red"))
+        table.add_row(lead_id, f"{want.score} / {want.tier}", *cells)
+    return table

@@ -1,0 +1,25 @@
+"""The lead-qualifier demo behind ``toolguard demo`` (see ``lead_qualifier``)."""
+
+from toolguard.demo.lead_qualifier import (
+    LEADS,
+    POLICY_PATH,
+    SCHEMA_PATH,
+    DemoEvent,
+    Finding,
+    LeadRecord,
+    Report,
+    expected_records,
+    run_pipeline,
+)
+
+__all__ = [
+    "LEADS",
+    "POLICY_PATH",
+    "SCHEMA_PATH",
+    "DemoEvent",
+    "Finding",
+    "LeadRecord",
+    "Report",
+    "expected_records",
+    "run_pipeline",
+]

@@ -1,0 +1,628 @@
+"""Check a deployment against toolguard's operating checklist.
+
+``run_checks(lock_url=..., store_url=...)`` returns one ``Check`` per item, each
+``pass``, ``warn``, ``fail`` or ``skip`` with what was found and why it matters
+(``toolguard doctor`` prints them). Every probe is read-only, except
+``reseed=True``, which raises the lock server's counters to the store's
+high-water marks where they lag (``toolguard.store.recovery.reseed``).
+
+The checklist:
+
+1. the lock server answers;
+2. the store answers;
+3. Redis: no ``maxmemory-policy`` that may evict lock keys;
+4. persistence of the lock server (Redis ``appendonly``/``save``) and what a
+   restart means for held locks and tokens;
+5. clock sanity: the lock server's and the store's clocks against this host;
+6. the store's schema at this toolguard's version;
+7. TTL against the renewal interval and the measured round trip;
+8. fences: for every fenced key in the store (the most recent ``sample``), the
+   next token the lock server can grant is above the store's high-water mark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sqlite3
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from toolguard.errors import BackendUnavailable, ConfigurationError, ToolGuardError
+
+__all__ = ["Check", "Status", "exit_code", "run_checks"]
+
+Status = Literal["pass", "warn", "fail", "skip"]
+
+#: Clock skew thresholds (seconds) between this host and a server.
+SKEW_WARN_S = 0.5
+SKEW_FAIL_S = 5.0
+#: A renewal (at ttl/3) should leave room for this many round trips.
+RENEWAL_ROUND_TRIPS = 10
+#: Below this TTL, a pause of the holder (GC, a long synchronous call) loses the lease.
+SHORT_TTL_MS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One item of the checklist: what was found, and why it matters."""
+
+    name: str
+    title: str
+    status: Status
+    summary: str
+    why: str
+    fix: str | None = None
+    unreachable: bool = False  # a failure because a backend did not answer (exit 3)
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def exit_code(checks: Sequence[Check], *, strict: bool = False) -> int:
+    """3 if a backend is unreachable, 1 if a check failed (or warned, with ``strict``), else 0."""
+    if any(c.unreachable for c in checks):
+        return 3
+    if any(c.status == "fail" for c in checks) or (strict and any(c.status == "warn" for c in checks)):
+        return 1
+    return 0
+
+
+# --- probes: one small read-only client per lock backend ------------------------------------
+
+
+@dataclass
+class _LockProbe:
+    """What doctor needs from a lock server, without taking a lock or creating anything."""
+
+    kind: str  # redis | sqlite | postgres | etcd
+    url: str
+    ping: Callable[[], None]
+    server_time_us: Callable[[], int | None]  # None: no clock to compare (same host, etcd)
+    current_token: Callable[[str], int | None]  # None: not comparable
+    config: Callable[[], dict[str, str]] = lambda: {}
+    close: Callable[[], None] = lambda: None
+    hybrid: bool = True  # tokens are max(last + 1, server time in us)
+    same_host: bool = False  # its clock is this host's: nothing to compare
+    location: str = ""
+
+
+def _probe_redis(url: str, timeout: float, prefix: str) -> _LockProbe:
+    import redis
+
+    from toolguard.locks.redis import RedisBackend
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    backend = RedisBackend(client, prefix=prefix)
+
+    def server_time_us() -> int:
+        seconds, micros = client.time()
+        return int(seconds) * 1_000_000 + int(micros)
+
+    def config() -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name in ("maxmemory-policy", "maxmemory", "appendonly", "appendfsync", "save"):
+            values = client.config_get(name)
+            out.update({str(k): str(v) for k, v in values.items()})
+        info = client.info("replication")
+        out["role"] = str(info.get("role", ""))
+        out["connected_slaves"] = str(info.get("connected_slaves", 0))
+        return out
+
+    return _LockProbe("redis", url, lambda: bool(client.ping()), server_time_us,
+                      backend.current_token, config, client.close,
+                      location=f"{client.connection_pool.connection_kwargs.get('host', '?')}:"
+                               f"{client.connection_pool.connection_kwargs.get('port', '?')}")
+
+
+def _probe_sqlite(url: str) -> _LockProbe:
+    from toolguard.locks import sqlite_path
+
+    path = Path(sqlite_path(url))
+
+    def connect() -> sqlite3.Connection:
+        return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+
+    def ping() -> None:
+        if path.exists():
+            connect().close()
+            return
+        folder = path.parent if str(path.parent) else Path()
+        if not (folder.exists() and os.access(folder, os.W_OK)) and not _creatable(folder):
+            msg = f"{path}: the file does not exist and {folder} is not writable"
+            raise BackendUnavailable(msg)
+
+    def current_token(key: str) -> int | None:
+        if not path.exists():
+            return 0
+        conn = connect()
+        try:
+            row = conn.execute("SELECT token FROM tg_lock_fence WHERE key = ?", (key,)).fetchone()
+        except sqlite3.OperationalError:  # no lock taken yet: no table
+            return 0
+        finally:
+            conn.close()
+        return int(row[0]) if row else 0
+
+    return _LockProbe("sqlite", url, ping, lambda: time.time_ns() // 1000, current_token,
+                      same_host=True, location=str(path))
+
+
+def _creatable(folder: Path) -> bool:
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            return os.access(parent, os.W_OK)
+    return False
+
+
+def _probe_postgres(url: str, timeout: float) -> _LockProbe:
+    import psycopg
+
+    state: dict[str, Any] = {}
+
+    def conn() -> Any:
+        if "conn" not in state:
+            try:
+                state["conn"] = psycopg.connect(url, connect_timeout=max(1, int(timeout)),
+                                                autocommit=True)
+            except psycopg.OperationalError as error:
+                raise BackendUnavailable(f"postgresql: {str(error).strip()}") from error
+        return state["conn"]
+
+    def server_time_us() -> int:
+        row = conn().execute("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+                             ).fetchone()
+        return int(row[0])
+
+    def current_token(key: str) -> int:
+        present = conn().execute("SELECT to_regclass('toolguard_lock_fence') IS NOT NULL").fetchone()
+        if not present or not present[0]:
+            return 0
+        row = conn().execute("SELECT token FROM toolguard_lock_fence WHERE key = %s", (key,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def close() -> None:
+        if "conn" in state:
+            with contextlib.suppress(Exception):
+                state["conn"].close()
+
+    return _LockProbe("postgres", url, lambda: conn().execute("SELECT 1").fetchone() and None,
+                      server_time_us, current_token, close=close,
+                      location=_host_of(url))
+
+
+def _probe_etcd(url: str, timeout: float) -> _LockProbe:
+    from toolguard.locks.etcd import EtcdBackend
+
+    backend = EtcdBackend(url, timeout_s=timeout)
+    return _LockProbe("etcd", url, lambda: backend.current_token("toolguard-doctor/probe") and None,
+                      lambda: None, lambda _key: None, close=backend.close, hybrid=False,
+                      location=_host_of(url))
+
+
+def _host_of(url: str) -> str:
+    parsed = urlparse(url)
+    return f"{parsed.hostname or 'localhost'}:{parsed.port or ''}".rstrip(":")
+
+
+def _lock_probe(url: str, timeout: float, redis_prefix: str) -> _LockProbe:
+    scheme = urlparse(url).scheme
+    if scheme in ("redis", "rediss", "unix"):
+        return _probe_redis(url, timeout, redis_prefix)
+    if scheme == "sqlite":
+        return _probe_sqlite(url)
+    if scheme in ("postgresql", "postgres"):
+        return _probe_postgres(url, timeout)
+    if scheme == "etcd":
+        return _probe_etcd(url, timeout)
+    msg = f"unknown lock backend URL scheme {scheme!r} in {url!r}"
+    raise ConfigurationError(msg)
+
+
+def _round_trips(ping: Callable[[], Any], samples: int = 5) -> list[float]:
+    out = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        ping()
+        out.append((time.perf_counter() - started) * 1000)
+    return out
+
+
+def _skew_s(server_time_us: Callable[[], int | None]) -> tuple[float, float] | None:
+    """(server - local) in seconds, and the uncertainty (half the round trip)."""
+    before = time.time()
+    server = server_time_us()
+    after = time.time()
+    if server is None:
+        return None
+    return server / 1e6 - (before + after) / 2, (after - before) / 2
+
+
+def _redact(url: str) -> str:
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def _open_store(url: str, schema: str | None, timeout_s: float) -> Any:
+    from toolguard.store import open_store
+
+    if url.startswith(("postgresql:", "postgres:")):
+        return open_store(url, schema=schema, timeout_s=timeout_s, min_size=0, max_size=2)
+    if schema:
+        msg = "a schema only applies to a PostgreSQL store"
+        raise ConfigurationError(msg)
+    return open_store(url)
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+# --- the checks -------------------------------------------------------------------------------
+
+
+def run_checks(
+    *,
+    lock_url: str | None = None,
+    store_url: str | None = None,
+    schema: str | None = None,
+    ttl_ms: Iterable[int] | None = None,
+    wait_timeout_s: float | None = None,
+    timeout_s: float = 3.0,
+    sample: int = 1000,
+    reseed: bool = False,
+    redis_prefix: str = "tg",
+) -> list[Check]:
+    """Run the checklist; URLs default to the settings (``TOOLGUARD_*``, else embedded SQLite).
+
+    ``ttl_ms`` lists the TTLs in use (e.g. every tool's of a policy); default the
+    settings' ``ttl_ms``.
+    """
+    from toolguard.config import Settings
+
+    settings = Settings()
+    lock_url = lock_url or settings.resolved_lock_url()
+    store_url = store_url or settings.resolved_store_url()
+    ttls = sorted(set(ttl_ms or [settings.ttl_ms]))
+    wait = settings.wait_timeout_s if wait_timeout_s is None else wait_timeout_s
+    checks: list[Check] = []
+
+    probe: _LockProbe | None = None
+    rtts: list[float] = []
+    try:
+        probe = _lock_probe(lock_url, timeout_s, redis_prefix)
+        probe.ping()
+        rtts = _round_trips(probe.ping)
+        checks.append(Check(
+            "lock_server", "Lock server reachable", "pass",
+            f"{probe.kind} at {probe.location or _redact(lock_url)} answered; round trip "
+            f"{statistics.median(rtts):.2f} ms (max {max(rtts):.2f} ms of {len(rtts)})",
+            "every guarded call takes its locks there: without it nothing runs", data={
+                "kind": probe.kind, "url": _redact(lock_url), "rtt_ms": rtts}))
+    except ConfigurationError:
+        raise
+    except Exception as error:
+        checks.append(Check(
+            "lock_server", "Lock server reachable", "fail",
+            f"{_redact(lock_url)}: {_reason(error)}",
+            "every guarded call takes its locks there: without it nothing runs",
+            fix="start the server or fix TOOLGUARD_LOCK_URL / TOOLGUARD_REDIS_URL",
+            unreachable=True))
+        probe = None
+
+    store = None
+    installed = 0
+    try:
+        store = _open_store(store_url, schema, timeout_s)
+        installed = store.schema_version()
+        checks.append(Check("store", "Store reachable", "pass",
+                            f"{store.dialect} store at {_redact(store_url)} answered",
+                            "fenced writes, idempotency records and the audit log live there",
+                            data={"dialect": store.dialect, "url": _redact(store_url)}))
+    except ConfigurationError:
+        raise
+    except Exception as error:
+        checks.append(Check(
+            "store", "Store reachable", "fail", f"{_redact(store_url)}: {_reason(error)}",
+            "fenced writes, idempotency records and the audit log live there",
+            fix="start the database or fix TOOLGUARD_DATABASE_URL", unreachable=True))
+        if store is not None:
+            store.close()
+        store = None
+
+    try:
+        config: dict[str, str] = {}
+        config_error: str | None = None
+        if probe is not None and probe.kind == "redis":
+            try:
+                config = probe.config()
+            except Exception as error:  # managed Redis often disables CONFIG
+                config_error = _reason(error)
+        checks.append(_eviction(probe, config, config_error))
+        checks.append(_persistence(probe, config, config_error))
+        checks.append(_clocks(probe, store))
+        checks.append(_schema(store, installed))
+        checks.append(_ttls(probe, rtts, ttls, wait))
+        checks.append(_fences(probe, store, installed, lock_url, sample, reseed, redis_prefix))
+    finally:
+        if probe is not None:
+            with contextlib.suppress(Exception):
+                probe.close()
+        if store is not None:
+            store.close()
+    return checks
+
+
+_EVICTION_WHY = ("an evicted lock key frees a lock its holder still uses: two agents then hold it "
+                 "at once (fencing still refuses the older one's writes, but its work is lost); an "
+                 "evicted counter falls back to the clock")
+
+
+def _eviction(probe: _LockProbe | None, config: Mapping[str, str], error: str | None) -> Check:
+    title = "Redis eviction policy"
+    if probe is None:
+        return Check("redis_eviction", title, "skip", "the lock server did not answer", _EVICTION_WHY)
+    if probe.kind != "redis":
+        return Check("redis_eviction", title, "skip", f"not Redis ({probe.kind}): nothing is evicted",
+                     _EVICTION_WHY)
+    if error is not None:
+        return Check("redis_eviction", title, "warn", f"cannot read the configuration: {error}",
+                     _EVICTION_WHY, fix="check maxmemory-policy with your provider: noeviction")
+    policy = config.get("maxmemory-policy", "?")
+    maxmemory = int(config.get("maxmemory", "0") or 0)
+    data = {"maxmemory_policy": policy, "maxmemory": maxmemory}
+    if policy == "noeviction":
+        return Check("redis_eviction", title, "pass",
+                     "maxmemory-policy noeviction: a full Redis refuses writes instead of evicting",
+                     _EVICTION_WHY, data=data)
+    if maxmemory == 0:
+        return Check("redis_eviction", title, "warn",
+                     f"maxmemory-policy {policy}, but no maxmemory limit: nothing is evicted until "
+                     f"someone sets one", _EVICTION_WHY,
+                     fix="CONFIG SET maxmemory-policy noeviction (and in redis.conf)", data=data)
+    if policy.startswith("volatile-"):
+        return Check("redis_eviction", title, "warn",
+                     f"maxmemory-policy {policy} with maxmemory {maxmemory}: lock keys carry a TTL, "
+                     f"so they are eviction candidates when memory runs out", _EVICTION_WHY,
+                     fix="use noeviction, or a Redis of its own for locks", data=data)
+    return Check("redis_eviction", title, "fail",
+                 f"maxmemory-policy {policy} with maxmemory {maxmemory}: any lock key may be "
+                 f"evicted under memory pressure", _EVICTION_WHY,
+                 fix="CONFIG SET maxmemory-policy noeviction (and in redis.conf)", data=data)
+
+
+_PERSISTENCE_WHY = ("tokens stay safe across a restart (hybrid-clock values, re-seeded from the "
+                    "store), but a restart without AOF forgets every held lock: another agent can "
+                    "take one its holder still uses until the holder's renewal fails")
+
+
+def _persistence(probe: _LockProbe | None, config: Mapping[str, str], error: str | None) -> Check:
+    title = "Lock server persistence"
+    if probe is None:
+        return Check("persistence", title, "skip", "the lock server did not answer", _PERSISTENCE_WHY)
+    if probe.kind == "sqlite":
+        return Check("persistence", title, "pass",
+                     "embedded SQLite: locks and counters are in a file (one machine only)",
+                     _PERSISTENCE_WHY)
+    if probe.kind == "postgres":
+        return Check("persistence", title, "pass",
+                     "PostgreSQL: locks and counters are durable (WAL)", _PERSISTENCE_WHY)
+    if probe.kind == "etcd":
+        return Check("persistence", title, "pass",
+                     "etcd: a grant is committed to a Raft quorum before it is returned",
+                     _PERSISTENCE_WHY)
+    if error is not None:
+        return Check("persistence", title, "warn", f"cannot read the configuration: {error}",
+                     _PERSISTENCE_WHY, fix="ask your provider whether AOF (appendonly) is on")
+    aof = config.get("appendonly", "no") == "yes"
+    fsync = config.get("appendfsync", "?")
+    save = config.get("save", "").strip()
+    replicas = int(config.get("connected_slaves", "0") or 0)
+    data = {"appendonly": aof, "appendfsync": fsync, "save": save, "replicas": replicas}
+    replication = (f"; {replicas} async replica(s): a failover can lose the newest grants"
+                   if replicas else "")
+    if aof and fsync == "always":
+        return Check("persistence", title, "pass",
+                     f"appendonly yes, appendfsync always: a restart keeps every lock{replication}",
+                     _PERSISTENCE_WHY, data=data)
+    if aof:
+        return Check("persistence", title, "pass" if not replicas else "warn",
+                     f"appendonly yes, appendfsync {fsync}: a crash loses at most ~1 s of grants"
+                     f"{replication}", _PERSISTENCE_WHY, data=data,
+                     fix="for locks that must never be lost, use etcd" if replicas else None)
+    snapshots = f"RDB snapshots only (save {save!r})" if save else "no persistence at all"
+    return Check("persistence", title, "warn",
+                 f"appendonly no, {snapshots}: a restart loses every held lock{replication}",
+                 _PERSISTENCE_WHY, data=data,
+                 fix="CONFIG SET appendonly yes (and in redis.conf), or etcd/PostgreSQL for locks")
+
+
+_CLOCK_WHY = ("tokens are server time in microseconds: a lock server whose clock is behind the one "
+              "before it (a failover, a restart elsewhere) grants tokens the store refuses until "
+              "re-seeded; audit times and --since windows come from the store's clock")
+
+
+def _clocks(probe: _LockProbe | None, store: Any) -> Check:
+    title = "Clock sanity"
+    found: list[str] = []
+    worst = 0.0
+    data: dict[str, Any] = {}
+    targets: list[tuple[str, Callable[[], int | None]]] = []
+    if probe is not None and not probe.same_host:
+        targets.append((f"lock server ({probe.kind})", probe.server_time_us))
+    if store is not None and getattr(store, "dialect", "") == "postgresql":
+        def store_time() -> int:
+            with store.connection() as conn:
+                row = conn.execute("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+                                   ).fetchone()
+            return int(row[0])
+
+        targets.append(("store (postgresql)", store_time))
+    for label, reader in targets:
+        try:
+            measured = _skew_s(reader)
+        except Exception as error:
+            found.append(f"{label}: cannot read its clock ({_reason(error)})")
+            continue
+        if measured is None:
+            continue
+        skew, uncertainty = measured
+        worst = max(worst, abs(skew) - uncertainty)
+        data[label] = round(skew, 6)
+        found.append(f"{label} {skew * 1000:+.1f} ms (±{uncertainty * 1000:.1f})")
+    if not data:
+        if probe is None and not targets:
+            return Check("clock", title, "skip", "the lock server did not answer", _CLOCK_WHY)
+        return Check("clock", title, "pass",
+                     "; ".join(found) or "everything runs on this host's clock", _CLOCK_WHY)
+    summary = "vs this host: " + "; ".join(found)
+    if worst >= SKEW_FAIL_S:
+        return Check("clock", title, "fail", summary, _CLOCK_WHY, data=data,
+                     fix="run NTP (chrony, systemd-timesyncd) on every host")
+    if worst >= SKEW_WARN_S:
+        return Check("clock", title, "warn", summary, _CLOCK_WHY, data=data,
+                     fix="run NTP (chrony, systemd-timesyncd) on every host")
+    return Check("clock", title, "pass", summary, _CLOCK_WHY, data=data)
+
+
+_SCHEMA_WHY = "the fence check, idempotency records and the append-only audit log are SQL in the store"
+
+
+def _schema(store: Any, installed: int) -> Check:
+    title = "Store schema version"
+    if store is None:
+        return Check("schema", title, "skip", "the store did not answer", _SCHEMA_WHY)
+    from toolguard.store import latest_version
+
+    latest = latest_version("sqlite" if store.dialect == "sqlite" else "postgresql")
+    data = {"installed": installed, "latest": latest}
+    if installed == 0:
+        return Check("schema", title, "fail", "not installed", _SCHEMA_WHY,
+                     fix="toolguard db init", data=data)
+    if installed < latest:
+        return Check("schema", title, "fail", f"version {installed}, this toolguard needs {latest}",
+                     _SCHEMA_WHY, fix="toolguard db init", data=data)
+    if installed > latest:
+        return Check("schema", title, "warn",
+                     f"version {installed}, newer than this toolguard's {latest}", _SCHEMA_WHY,
+                     fix="upgrade toolguard on this host", data=data)
+    return Check("schema", title, "pass", f"version {installed} (latest)", _SCHEMA_WHY, data=data)
+
+
+_TTL_WHY = ("a lease is renewed every ttl/3; each renewal is one round trip, and a lease whose "
+            "renewals cannot land in time is lost: its holder's writes are then refused")
+
+
+def _ttls(probe: _LockProbe | None, rtts: Sequence[float], ttls: Sequence[int],
+          wait_timeout_s: float) -> Check:
+    title = "TTL vs renewal interval"
+    from toolguard.locks.base import MIN_TTL_MS
+
+    shortest = min(ttls)
+    rtt = max(rtts) if rtts else None
+    data: dict[str, Any] = {"ttl_ms": list(ttls), "renew_every_ms": [round(t / 3) for t in ttls],
+                            "rtt_ms": rtt, "wait_timeout_s": wait_timeout_s}
+    listed = ", ".join(f"{t} ms" for t in ttls)
+    if shortest < MIN_TTL_MS:
+        return Check("ttl", title, "fail", f"TTL {shortest} ms is below the minimum {MIN_TTL_MS} ms",
+                     _TTL_WHY, fix="raise ttl_ms", data=data)
+    if rtt is None:
+        return Check("ttl", title, "skip", f"TTL {listed}; no round trip measured (lock server "
+                     "unreachable)", _TTL_WHY, data=data)
+    basis = f"TTL {listed} (renewal every {shortest / 3:.0f} ms), round trip up to {rtt:.2f} ms"
+    if shortest < 3 * rtt:
+        return Check("ttl", title, "fail", f"{basis}: a renewal cannot complete before expiry",
+                     _TTL_WHY, fix=f"raise ttl_ms above {int(RENEWAL_ROUND_TRIPS * 3 * rtt)} ms",
+                     data=data)
+    notes = []
+    if shortest / 3 < RENEWAL_ROUND_TRIPS * rtt:
+        notes.append(f"a renewal has room for fewer than {RENEWAL_ROUND_TRIPS} round trips")
+    if shortest < SHORT_TTL_MS:
+        notes.append(f"a pause of the holder longer than {shortest} ms (GC, a long synchronous "
+                     f"call) loses the lease")
+    if wait_timeout_s * 1000 < shortest:
+        basis += (f"; note: waiters give up after {wait_timeout_s:g} s, so while a crashed "
+                  f"holder's lock runs out its TTL they get lock_timeout")
+    if notes:
+        return Check("ttl", title, "warn", f"{basis}; " + "; ".join(notes), _TTL_WHY,
+                     fix="use TTLs of a few seconds unless a short one is the point", data=data)
+    return Check("ttl", title, "pass", basis, _TTL_WHY, data=data)
+
+
+_FENCE_WHY = ("the store refuses every token below its high-water mark for a key: a lock server "
+              "whose counter is behind (restarted empty with a clock behind, restored from an old "
+              "backup) grants tokens that can never write, until re-seeded")
+
+
+def _fences(probe: _LockProbe | None, store: Any, installed: int, lock_url: str, sample: int,
+            reseed: bool, redis_prefix: str) -> Check:
+    title = "Fences vs lock server counters"
+    if probe is None or store is None:
+        return Check("fences", title, "skip", "a backend did not answer", _FENCE_WHY)
+    if not probe.hybrid:
+        return Check("fences", title, "pass", f"{probe.kind} tokens are revisions of its Raft log: "
+                     "they only grow and survive restarts", _FENCE_WHY)
+    if installed == 0:
+        return Check("fences", title, "skip", "the store's schema is not installed", _FENCE_WHY)
+    marks = _recent_marks(store, sample)
+    if not marks:
+        return Check("fences", title, "pass", "no fenced key in the store yet", _FENCE_WHY)
+    now_us = probe.server_time_us() or 0
+    behind: dict[str, tuple[int, int]] = {}
+    counters = 0
+    for key, mark in marks:
+        counter = probe.current_token(key) or 0
+        counters += counter > 0
+        next_token = max(counter + 1, now_us)
+        if next_token <= mark:
+            behind[key] = (mark, next_token)
+    data: dict[str, Any] = {"keys_checked": len(marks), "counters_present": counters,
+                            "behind": {k: {"store": m, "next": n} for k, (m, n) in behind.items()}}
+    scope = (f"{len(marks)} fenced key{'s' if len(marks) != 1 else ''}"
+             f"{' (the most recently written)' if len(marks) >= sample else ''}")
+    if not behind:
+        return Check("fences", title, "pass",
+                     f"{scope}: every next token is above the store's high-water mark "
+                     f"({counters} with a live counter, the rest covered by the server clock)",
+                     _FENCE_WHY, data=data)
+    shown = ", ".join(f"{k} (store {m}, next {n})" for k, (m, n) in list(behind.items())[:3])
+    more = f" and {len(behind) - 3} more" if len(behind) > 3 else ""
+    if reseed:
+        try:
+            from toolguard.locks import connect
+            from toolguard.store.recovery import reseed as do_reseed
+
+            options = {"prefix": redis_prefix} if probe.kind == "redis" else {}
+            locks = connect(lock_url, **options)
+            try:
+                floors = do_reseed(locks, store, list(behind))
+            finally:
+                locks.close()
+        except ToolGuardError as error:
+            return Check("fences", title, "fail", f"{scope}: {len(behind)} behind ({shown}{more}); "
+                         f"re-seeding failed: {error}", _FENCE_WHY, data=data,
+                         unreachable=isinstance(error, BackendUnavailable))
+        return Check("fences", title, "pass",
+                     f"{scope}: {len(behind)} were behind ({shown}{more}); re-seeded "
+                     f"{len(floors)} from the store", _FENCE_WHY, data={**data, "reseeded": floors})
+    return Check("fences", title, "fail",
+                 f"{scope}: {len(behind)} behind the store ({shown}{more}); their next grants "
+                 f"would be refused", _FENCE_WHY, data=data,
+                 fix="toolguard doctor --reseed (runs toolguard.store.recovery.reseed for them)")
+
+
+def _recent_marks(store: Any, sample: int) -> list[tuple[str, int]]:
+    sql = "SELECT key, token FROM toolguard_high_water ORDER BY updated_at DESC LIMIT %s"
+    with store.connection() as conn:
+        if store.dialect == "sqlite":
+            rows = conn.execute(sql.replace("%s", "?"), (sample,)).fetchall()
+        else:
+            rows = conn.execute(sql, (sample,)).fetchall()
+    return [(str(key), int(token)) for key, token in rows]
