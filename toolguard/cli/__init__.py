@@ -32,7 +32,8 @@ the records they change.
 
 Start with `toolguard demo` (runs offline), then `toolguard audit --rejected`.
 Settings come from TOOLGUARD_* variables: TOOLGUARD_REDIS_URL (locks),
-TOOLGUARD_DATABASE_URL (store); with neither, everything lives in ./.toolguard/toolguard.db.
+TOOLGUARD_DATABASE_URL (store); with neither, everything lives in two SQLite files under
+./.toolguard/ (locks.db, store.db).
 
 {EXIT_CODES_HELP}"""
 

@@ -186,6 +186,7 @@ class _RedisShared:
         self.counter_ttl_ms = counter_ttl_ms
         self._presence_arg = b"%d" % presence_ms
         self._counter_ttl_arg = b"%d" % counter_ttl_ms
+        self._max_block_s: float | None = None  # set from the client's socket timeout
 
     # Arguments go out as bytes, encoded once: redis-py would encode each one again.
 
@@ -198,6 +199,11 @@ class _RedisShared:
         base = _base(key, self.prefix).encode()
         return ("EVALSHA", sha, b"4", base + b":lock", base + b":fence", base + b":q", base + b":qx",
                 owner.encode(), base + b":s:", self._counter_ttl_arg)
+
+    def _block_s(self, timeout_s: float) -> float:
+        """BLPOP's timeout: returning early is a spurious wake-up, the caller looks again."""
+        block = max(timeout_s, 0.001)
+        return min(block, self._max_block_s) if self._max_block_s else block
 
     def _signal_key(self, key: str, owner: str) -> str:
         return f"{_base(key, self.prefix)}:s:{owner}"
@@ -217,6 +223,23 @@ class _RedisShared:
 
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 
+#: A call on a server that stopped answering (a stalled link, a frozen server) fails
+#: after this long instead of blocking for as long as the stall lasts: release never
+#: hangs, acquire's deadline holds. Applies to clients built from a URL; the URL's own
+#: ``?socket_timeout=`` wins. A blocking wait (BLPOP) is capped below it.
+SOCKET_TIMEOUT_S = 5.0
+
+
+def _client_from_url(factory: Any, url: str) -> Any:
+    return factory.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
+                            socket_connect_timeout=SOCKET_TIMEOUT_S)
+
+
+def _block_cap(client: Any) -> float | None:
+    """The longest BLPOP that cannot trip the client's own socket timeout."""
+    timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+    return max(0.001, float(timeout) / 2) if timeout else None
+
 
 class RedisBackend(_RedisShared):
     """Sync Redis backend (redis-py); scripts are registered once and run by SHA."""
@@ -224,7 +247,8 @@ class RedisBackend(_RedisShared):
     def __init__(self, client: redis.Redis | str = "redis://127.0.0.1:6379/0",
                  **options: Any) -> None:
         super().__init__(**options)
-        self.client = redis.Redis.from_url(client) if isinstance(client, str) else client
+        self.client = _client_from_url(redis.Redis, client) if isinstance(client, str) else client
+        self._max_block_s = _block_cap(self.client)
         self._acquire = self.client.register_script(ACQUIRE)
         self._release = self.client.register_script(RELEASE)
         self._renew = self.client.register_script(RENEW)
@@ -247,7 +271,7 @@ class RedisBackend(_RedisShared):
     def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
         try:
             reply = self.client.execute_command("BLPOP", self._signal_key(key, owner),
-                                                max(timeout_s, 0.001))
+                                                self._block_s(timeout_s))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
         return int(reply[1]) if reply else None
@@ -301,7 +325,8 @@ class AsyncRedisBackend(_RedisShared):
     def __init__(self, client: aredis.Redis | str = "redis://127.0.0.1:6379/0",
                  **options: Any) -> None:
         super().__init__(**options)
-        self.client = aredis.Redis.from_url(client) if isinstance(client, str) else client
+        self.client = _client_from_url(aredis.Redis, client) if isinstance(client, str) else client
+        self._max_block_s = _block_cap(self.client)
         self._acquire = self.client.register_script(ACQUIRE)
         self._release = self.client.register_script(RELEASE)
         self._raise_floor = self.client.register_script(RAISE_FLOOR)
@@ -323,7 +348,7 @@ class AsyncRedisBackend(_RedisShared):
     async def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
         try:
             reply = await self.client.execute_command("BLPOP", self._signal_key(key, owner),
-                                                      max(timeout_s, 0.001))
+                                                      self._block_s(timeout_s))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
         return int(reply[1]) if reply else None
