@@ -1,0 +1,399 @@
+"""The cost of a guarded tool call beside the same mutation done bare, side by side.
+
+    python benchmarks/guard.py [--redis-url URL] [--database-url URL] [--seconds S]
+                               [--quick] [--plain] [--profile N]
+
+One mutation: add ``delta`` to one lead's score (``UPDATE lead SET score =
+score + %s WHERE id = %s RETURNING score``) in a table of 1,000 leads.
+
+* bare: that statement in one PostgreSQL transaction on a pooled connection
+  (``BEGIN``, ``UPDATE``, ``COMMIT``).
+* guarded: the same statement in a ``@guarded`` tool run through ``ToolGuard``
+  with a stable identity (call id + thread id), so every call does the whole
+  pipeline: strict validation, policy, the idempotency record
+  (``begin_intent``), a Redis lock with its fencing token, the fenced
+  PostgreSQL transaction (fence check+advance, intent row, the tool's
+  ``UPDATE``, the recorded result, the audit row, ``COMMIT``), release.
+
+1. Latency, one thread: bare and guarded calls alternate in rounds, so slow
+   drifts of the machine hit both alike. p50/p99 per call and guarded/bare.
+2. Throughput, 16 threads (agents) over the 1,000 leads (each call picks a
+   random lead, so two agents sometimes want the same lead): calls per second,
+   p50/p99, guarded/bare.
+
+The issue's target: guarded p50 at most 1.5x bare. ``--profile N`` also runs N
+guarded calls under cProfile and prints where the time goes.
+
+Everything lives in a PostgreSQL schema and Redis key prefix of the run's own,
+dropped at the end. Bounded by time (under a minute by default); always exits 0:
+a miss is a finding, not a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import itertools
+import os
+import pstats
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize, verdict
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/14"
+DEFAULT_DATABASE = "postgresql://postgres@127.0.0.1:5432/test"
+LEADS = 1_000
+AGENTS = 16
+TARGET = 1.5
+UPDATE = "UPDATE lead SET score = score + %s WHERE id = %s RETURNING score"
+
+
+@dataclass
+class Setup:
+    """The run's schema, its 1,000 leads, a bare pool, and a guard on the same database."""
+
+    database_url: str
+    redis_url: str
+    run: str
+
+    def __post_init__(self) -> None:
+        from toolguard.adapters import guarded
+        from toolguard.context import current
+        from toolguard.guard import ToolGuard
+        from toolguard.locks import connect
+        from toolguard.policies import Policy
+        from toolguard.store import open_store
+
+        self.schema = f"tg_bench_{self.run}"
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.schema)))
+            conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+            conn.execute("CREATE TABLE lead (id text PRIMARY KEY, score bigint NOT NULL)")
+            conn.execute("INSERT INTO lead SELECT 'lead-' || i, 0 FROM generate_series(0, %s) i",
+                         (LEADS - 1,))
+        path = sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema))
+
+        def configure(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(path)
+
+        size = AGENTS + 4
+        self.pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+            self.database_url, min_size=size, max_size=size, kwargs={"autocommit": True},
+            configure=configure, open=True)
+        self.pool.wait()
+        self.store = open_store(self.database_url, install=True, schema=self.schema,
+                                min_size=size, max_size=size)
+        self.locks = connect(self.redis_url, prefix=f"tgbench:{self.run}")
+        policy = Policy.from_dict({"version": 1, "tools": {"add_score": {
+            "locks": ["lead:{lead_id}"], "agents": ["scorer"],
+            "args": {"delta": {"ge": -100, "le": 100}}}}})
+        self.guard = ToolGuard(policy, locks=self.locks, store=self.store)
+
+        @guarded(self.guard, agent="scorer")
+        def add_score(lead_id: str, delta: int) -> int:
+            (score,) = current().tx.execute(UPDATE, (delta, lead_id)).fetchone()
+            return int(score)
+
+        self.add_score = add_score
+        self.calls = itertools.count()
+
+    def bare(self, lead: str) -> None:
+        with self.pool.connection() as conn, conn.transaction():
+            conn.execute(UPDATE, (1, lead)).fetchone()
+
+    def guarded(self, lead: str) -> None:
+        decision = self.add_score.run({"lead_id": lead, "delta": 1},
+                                      call_id=f"call-{next(self.calls)}", thread_id=self.run)
+        if not decision.ok:
+            msg = f"guarded call refused: {decision.reason}: {decision.message}"
+            raise RuntimeError(msg)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.locks.close()
+        with contextlib.suppress(Exception):
+            self.store.close()
+        with contextlib.suppress(Exception):
+            self.pool.close()
+        with contextlib.suppress(Exception), psycopg.connect(self.database_url,
+                                                             autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                sql.Identifier(self.schema)))
+        with contextlib.suppress(Exception):
+            import redis
+
+            client = redis.Redis.from_url(self.redis_url)
+            for key in client.scan_iter(match=f"tgbench:{self.run}*", count=1000):
+                client.delete(key)
+            client.close()
+
+
+def lead_of(rng: random.Random) -> str:
+    return f"lead-{rng.randrange(LEADS)}"
+
+
+# --- 1. latency -----------------------------------------------------------------------------
+
+
+def latency(setup: Setup, seconds: float, rounds: int) -> dict[str, list[float]]:
+    """Alternate bare and guarded batches, one thread, until ``seconds`` are spent."""
+    rng = random.Random(7)
+    impls: dict[str, Callable[[str], None]] = {"bare": setup.bare, "guarded": setup.guarded}
+    samples: dict[str, list[float]] = {name: [] for name in impls}
+    for call in impls.values():  # warm-up: pools, scripts, caches
+        for _ in range(50):
+            call(lead_of(rng))
+    deadline = time.monotonic() + seconds
+    per_round = seconds / rounds
+    while time.monotonic() < deadline:
+        for name, call in impls.items():
+            until = time.monotonic() + per_round / len(impls)
+            while time.monotonic() < until:
+                lead = lead_of(rng)
+                started = time.perf_counter()
+                call(lead)
+                samples[name].append(time.perf_counter() - started)
+    return samples
+
+
+# --- 2. throughput --------------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    calls: int
+    elapsed: float
+    latencies: list[float]
+
+
+def throughput(call: Callable[[str], None], seconds: float, agents: int = AGENTS) -> Load:
+    """``agents`` threads calling on random leads for ``seconds``."""
+    start = threading.Barrier(agents + 1)
+    stop = threading.Event()
+    per_thread: list[list[float]] = [[] for _ in range(agents)]
+    errors: list[BaseException] = []
+
+    def agent(index: int) -> None:
+        rng = random.Random(index)
+        start.wait()
+        try:
+            while not stop.is_set():
+                lead = lead_of(rng)
+                started = time.perf_counter()
+                call(lead)
+                per_thread[index].append(time.perf_counter() - started)
+        except BaseException as error:  # reported after the run
+            errors.append(error)
+
+    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(agents)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    elapsed = time.perf_counter() - began
+    if errors:
+        print(f"  ! {len(errors)} agent(s) stopped early: {errors[0]!r}")
+    latencies = [x for each in per_thread for x in each]
+    return Load(len(latencies), elapsed, latencies)
+
+
+# --- 3. where a guarded call's time goes ------------------------------------------------------
+
+#: (step, server round trips, what happens), in the order a call runs them.
+STEPS = [
+    ("begin_intent", "1 PG + commit", "reserve the idempotency key (autocommit)"),
+    ("lock acquire", "1 Redis", "EVALSHA: grant + fencing token"),
+    ("fenced enter", "1 PG", "BEGIN + toolguard_enter (fence, intent row), pipelined"),
+    ("tool SQL", "1 PG", "the tool's UPDATE (what bare also runs)"),
+    ("fenced finish", "1 PG + commit", "apply + audit INSERT + COMMIT, pipelined"),
+    ("lock release", "1 Redis", "EVALSHA: release / hand-off"),
+]
+
+
+def breakdown(setup: Setup, calls: int) -> tuple[dict[str, list[float]], list[float], list[float]]:
+    """Time each I/O step of ``calls`` guarded calls; the rest is CPU in guard, store, clients.
+
+    Wraps the store's and lock backend's methods for the duration (benchmark
+    instrumentation: it reaches into ``toolguard.store.postgres._Session``).
+    """
+    from toolguard.store import postgres
+
+    spent: dict[str, list[float]] = {name: [] for name, _, _ in STEPS}
+    current: dict[str, float] = {}
+
+    def timed(owner: Any, attribute: str, step: str) -> Callable[[], None]:
+        original = getattr(owner, attribute)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                current[step] = current.get(step, 0.0) + time.perf_counter() - started
+
+        setattr(owner, attribute, wrapper)
+        return lambda: setattr(owner, attribute, original)
+
+    undo = [timed(setup.store, "begin_intent", "begin_intent"),
+            timed(setup.locks.backend, "try_acquire", "lock acquire"),
+            timed(setup.locks.backend, "release", "lock release"),
+            timed(postgres._Session, "enter", "fenced enter"),
+            timed(postgres._Session, "_execute", "tool SQL"),
+            timed(postgres._Session, "finish", "fenced finish")]
+    totals: list[float] = []
+    cpu: list[float] = []
+    rng = random.Random(5)
+    try:
+        for _ in range(calls):
+            current.clear()
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            setup.guarded(lead_of(rng))
+            totals.append(time.perf_counter() - started)
+            cpu.append(time.thread_time() - cpu_started)
+            for step in spent:
+                spent[step].append(current.get(step, 0.0))
+    finally:
+        for restore in undo:
+            restore()
+    return spent, totals, cpu
+
+
+def bare_cpu(setup: Setup, calls: int) -> list[float]:
+    rng = random.Random(6)
+    cpu = []
+    for _ in range(calls):
+        started = time.thread_time()
+        setup.bare(lead_of(rng))
+        cpu.append(time.thread_time() - started)
+    return cpu
+
+
+# --- 4. profile -----------------------------------------------------------------------------
+
+
+def profile(setup: Setup, calls: int, top: int = 25) -> str:
+    """cProfile of ``calls`` guarded calls, timed in CPU time of the calling thread."""
+    rng = random.Random(11)
+    profiler = cProfile.Profile(time.thread_time)
+    profiler.enable()
+    for _ in range(calls):
+        setup.guarded(lead_of(rng))
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out).strip_dirs()
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", default=os.environ.get("TOOLGUARD_BENCH_REDIS_URL",
+                                                              DEFAULT_REDIS))
+    parser.add_argument("--database-url", default=os.environ.get("TOOLGUARD_BENCH_DATABASE_URL",
+                                                                 DEFAULT_DATABASE))
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="length of each measured phase (default 12, --quick 2)")
+    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
+    parser.add_argument("--plain", action="store_true", help="plain text tables")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N guarded calls with cProfile")
+    args = parser.parse_args(argv)
+    seconds = args.seconds if args.seconds is not None else (2.0 if args.quick else 12.0)
+
+    try:
+        setup = Setup(args.database_url, args.redis_url, uuid.uuid4().hex[:10])
+    except Exception as error:
+        print(f"cannot set up the benchmark (PostgreSQL {args.database_url}, "
+              f"Redis {args.redis_url}): {error}")
+        return 0
+    try:
+        print(f"toolguard guarded call vs bare PostgreSQL transaction; {LEADS:,} leads; "
+              f"python {sys.version.split()[0]}; {seconds:g} s per phase")
+        samples = latency(setup, seconds, rounds=10 if not args.quick else 4)
+        bare, guarded = summarize(samples["bare"]), summarize(samples["guarded"])
+        table = Table("1. latency per call, one thread (interleaved rounds)",
+                      ["impl", "calls", "p50", "p99", "mean", "p50 vs bare", "p99 vs bare"],
+                      plain=args.plain)
+        for name, s in (("bare", bare), ("guarded", guarded)):
+            table.add_row(name, f"{s.count:,}", fmt_s(s.p50), fmt_s(s.p99), fmt_s(s.mean),
+                          fmt_ratio(ratio(s.p50, bare.p50)), fmt_ratio(ratio(s.p99, bare.p99)))
+        table.print()
+
+        loads = {"bare": throughput(setup.bare, seconds / 2),
+                 "guarded": throughput(setup.guarded, seconds / 2)}
+        table = Table(f"2. throughput, {AGENTS} agents (threads) over {LEADS:,} leads",
+                      ["impl", "calls", "calls/s", "p50", "p99", "calls/s vs bare",
+                       "p50 vs bare"], plain=args.plain)
+        base = summarize(loads["bare"].latencies)
+        base_rate = loads["bare"].calls / loads["bare"].elapsed
+        for name, load in loads.items():
+            s = summarize(load.latencies)
+            rate = load.calls / load.elapsed
+            table.add_row(name, f"{load.calls:,}", fmt_rate(rate), fmt_s(s.p50), fmt_s(s.p99),
+                          fmt_ratio(ratio(rate, base_rate)), fmt_ratio(ratio(s.p50, base.p50)))
+        table.print()
+
+        spent, totals, cpu = breakdown(setup, 200 if args.quick else 1_000)
+        whole = summarize(totals).p50
+        table = Table("3. where a guarded call's time goes (one thread, p50 of each step)",
+                      ["step", "round trips", "p50", "of the call"], plain=args.plain,
+                      caption="client CPU is spent inside the steps too: it overlaps them")
+        for name, trips, what in STEPS:
+            p50 = summarize(spent[name]).p50
+            table.add_row(f"{name}: {what}", trips, fmt_s(p50), f"{ratio(p50, whole):.0%}")
+        table.add_section()
+        cpu_p50 = summarize(cpu).p50
+        table.add_row("client CPU: guard, store, psycopg, redis-py (calling thread)", "-",
+                      fmt_s(cpu_p50), f"{ratio(cpu_p50, whole):.0%}")
+        table.add_row("whole guarded call", "4 PG + 2 Redis", fmt_s(whole), "100%")
+        table.add_row(f"bare: BEGIN, UPDATE, COMMIT (client CPU "
+                      f"{fmt_s(summarize(bare_cpu(setup, 300)).p50)})", "3 PG", fmt_s(bare.p50),
+                      f"{ratio(bare.p50, whole):.0%}")
+        table.print()
+
+        p50_ratio = ratio(guarded.p50, bare.p50)
+        ok = None if p50_ratio != p50_ratio else p50_ratio <= TARGET
+        print(f"target: guarded p50 <= {TARGET:g}x bare (one thread): {fmt_ratio(p50_ratio)} "
+              f"-> {verdict(ok)}")
+        made = {"guarded": loads["guarded"].calls + 50 + len(samples["guarded"]) + len(totals),
+                "bare": loads["bare"].calls + 50 + len(samples["bare"]) + 300}
+        with setup.pool.connection() as conn:
+            (final,) = conn.execute("SELECT sum(score) FROM lead").fetchone()
+        expected = made["guarded"] + made["bare"]
+        print(f"check: {made['guarded']:,} guarded + {made['bare']:,} bare increments = "
+              f"{expected:,}; table sum {int(final):,} "
+              f"({'matches' if int(final) == expected else 'MISMATCH'})")
+        if args.profile:
+            print(profile(setup, args.profile))
+    finally:
+        setup.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
