@@ -268,7 +268,7 @@ class ToolGuard:
             return
         try:
             if prepared.record.idempotency_key:
-                self.store.mark_unknown(prepared.record.idempotency_key)
+                self.store.mark_unknown(prepared.record.idempotency_key, prepared.record)
             if not was_audited(error):
                 self.store.audit(_entry(_unknown(intent, prepared, error), prepared, started))
         except Exception as audit_error:  # never hide the interrupt behind a bookkeeping failure
@@ -357,7 +357,8 @@ class ToolGuard:
             return
         try:
             if prepared.record.idempotency_key:
-                await self.async_store.mark_unknown(prepared.record.idempotency_key)
+                await self.async_store.mark_unknown(prepared.record.idempotency_key,
+                                                    prepared.record)
             if not was_audited(error):
                 await self.async_store.audit(_entry(_unknown(intent, prepared, error), prepared,
                                                     started))

@@ -14,7 +14,15 @@ import pytest
 
 from store.envs import StoreEnv, adeposit, create_ledger, ledger_state
 from toolguard.errors import DuplicateIntent, IdempotencyConflict, StaleFencingToken
-from toolguard.store import AsyncGuardedStore, AuditEntry, Begun, GuardedStore, IntentRecord, Replay
+from toolguard.store import (
+    AsyncGuardedStore,
+    AuditEntry,
+    Begun,
+    GuardedStore,
+    IntentRecord,
+    Replay,
+    latest_version,
+)
 from toolguard.store.recovery import arun_fenced
 
 
@@ -27,7 +35,7 @@ def run(env: StoreEnv, scenario: Callable[[AsyncGuardedStore], Awaitable[Any]]) 
     async def main() -> Any:
         store = env.open_async()
         try:
-            assert await store.install() == 1
+            assert await store.install() == latest_version(env.kind)
             return await scenario(store)
         finally:
             await store.close()
@@ -43,7 +51,7 @@ def ledger(store: GuardedStore) -> GuardedStore:
 
 def test_async_fenced_write_replay_and_conflict(env: StoreEnv, ledger: GuardedStore) -> None:
     async def scenario(store: AsyncGuardedStore) -> None:
-        assert await store.schema_version() == 1
+        assert await store.schema_version() == latest_version(store.dialect)
         assert await store.begin_intent(record()) == Begun("a-1", 1, None)
         async with store.fenced({"acct:a": 10}, record()) as tx:
             tx.record(await adeposit(tx, "a", 5, "first"))

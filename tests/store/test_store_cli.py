@@ -7,6 +7,7 @@ from servers import free_port
 from typer.testing import CliRunner
 
 from store.envs import drop_schema
+from toolguard.store import latest_version
 from toolguard.store.cli import EXIT_BEHIND, EXIT_CONFIG, EXIT_UNREACHABLE, db_app
 
 runner = CliRunner()
@@ -46,9 +47,10 @@ def test_postgres_init_and_status(postgres_url: str, unique: str,
     try:
         assert invoke("status", "--schema", schema)[0] == EXIT_BEHIND
         code, out = invoke("init", "--schema", schema)
-        assert code == 0 and f"(schema {schema})" in out and "to 1" in out
+        latest = latest_version("postgresql")
+        assert code == 0 and f"(schema {schema})" in out and f"to {latest}" in out
         code, out = invoke("status", "--url", postgres_url, "--schema", schema)
-        assert code == 0 and "schema version 1" in out
+        assert code == 0 and f"schema version {latest}" in out
     finally:
         drop_schema(postgres_url, schema)
 

@@ -25,14 +25,34 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 # --- install and upgrade (both stores) --------------------------------------------------------------
 
 
+EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path")],
+                       "sqlite": [(1, "001_initial")]}
+
+
 def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:
     store = env.open()
+    expected = EXPECTED_MIGRATIONS[env.kind]
+    latest = expected[-1][0]
     try:
         assert store.schema_version() == 0
-        assert store.install() == latest_version(env.kind) == 1
-        assert store.install() == 1
-        assert store.schema_version() == 1
-        assert rows(store, "SELECT version, name FROM toolguard_schema_version") == [(1, "001_initial")]
+        assert store.install() == latest_version(env.kind) == latest
+        assert store.install() == latest
+        assert store.schema_version() == latest
+        assert rows(store, "SELECT version, name FROM toolguard_schema_version "
+                           "ORDER BY version") == expected
+    finally:
+        store.close()
+
+
+def test_upgrade_from_the_first_version(env: StoreEnv) -> None:
+    """A store installed at version 1 (with data) upgrades in place to the latest."""
+    store = env.open()
+    try:
+        shipped = migrations(env.kind)
+        assert store.install(shipped[:1]) == 1
+        store.audit(AuditEntry(decision="accepted", reason="applied", tool="before-upgrade"))
+        assert store.install() == latest_version(env.kind)
+        assert store.query_audit()[0].tool == "before-upgrade"
     finally:
         store.close()
 
@@ -41,17 +61,19 @@ def test_upgrade_applies_only_newer_files(env: StoreEnv) -> None:
     store = env.open()
     try:
         shipped = migrations(env.kind)
-        assert store.install(shipped) == 1
+        latest = shipped[-1].version
+        assert store.install(shipped) == latest
         store.audit(AuditEntry(decision="accepted", reason="applied", tool="before-upgrade"))
-        extra = Migration(2, "002_test_extra",
+        extra = Migration(latest + 1, f"{latest + 1:03d}_test_extra",
                           "CREATE TABLE toolguard_test_extra (x INTEGER);\n"
                           "INSERT INTO toolguard_test_extra (x) VALUES (42);\n")
-        assert store.install([*shipped, extra]) == 2
-        assert store.install([*shipped, extra]) == 2  # not applied twice (would duplicate the row)
-        assert store.install(shipped) == 2  # never downgrades
+        assert store.install([*shipped, extra]) == latest + 1
+        # not applied twice (would duplicate the row)
+        assert store.install([*shipped, extra]) == latest + 1
+        assert store.install(shipped) == latest + 1  # never downgrades
         assert rows(store, "SELECT x FROM toolguard_test_extra") == [(42,)]
         assert [r[0] for r in rows(store, "SELECT version FROM toolguard_schema_version "
-                                          "ORDER BY version")] == [1, 2]
+                                          "ORDER BY version")] == list(range(1, latest + 2))
         assert store.query_audit()[0].tool == "before-upgrade"  # data kept
     finally:
         store.close()
@@ -61,12 +83,14 @@ def test_failed_upgrade_changes_nothing(env: StoreEnv) -> None:
     store = env.open()
     try:
         shipped = migrations(env.kind)
+        latest = shipped[-1].version
         store.install(shipped)
-        broken = Migration(2, "002_broken", "CREATE TABLE toolguard_half (x INTEGER);\n"
-                                            "THIS IS NOT SQL;\n")
+        broken = Migration(latest + 1, f"{latest + 1:03d}_broken",
+                           "CREATE TABLE toolguard_half (x INTEGER);\n"
+                           "THIS IS NOT SQL;\n")
         with pytest.raises(Exception, match=r"(?i)syntax"):
             store.install([*shipped, broken])
-        assert store.schema_version() == 1
+        assert store.schema_version() == latest
         with pytest.raises(Exception, match="toolguard_half"):
             rows(store, "SELECT * FROM toolguard_half")
     finally:
@@ -91,8 +115,9 @@ def test_concurrent_installers_do_not_race(env: StoreEnv) -> None:
     for thread in threads:
         thread.join(30)
     try:
-        assert results == [1, 1, 1, 1]
-        assert rows(stores[0], "SELECT count(*) FROM toolguard_schema_version") == [(1,)]
+        latest = latest_version(env.kind)
+        assert results == [latest] * 4
+        assert rows(stores[0], "SELECT count(*) FROM toolguard_schema_version") == [(latest,)]
     finally:
         for store in stores:
             store.close()
@@ -180,6 +205,59 @@ def test_pg_intent_functions(pg: psycopg.Connection[Any]) -> None:
     assert _raises(pg, "SELECT toolguard_apply('i1', 'null', '{}')").sqlstate == "TG003"
     assert pg.execute("SELECT keys FROM toolguard_intent ORDER BY idempotency_key").fetchall() == [
         (["acct:1"],), (["ticket:1"],)]
+
+
+def test_pg_002_installs_twice_on_001(pg: psycopg.Connection[Any]) -> None:
+    for name in ("001_initial.sql", "002_fast_path.sql", "002_fast_path.sql"):
+        with pg.transaction():  # psql --single-transaction
+            pg.execute(_sql_file(name))
+    assert pg.execute("SELECT version, name FROM toolguard_schema_version ORDER BY version"
+                      ).fetchall() == [(1, "001_initial"), (2, "002_fast_path")]
+
+
+def test_pg_002_enter_fences_one_key_like_fence_all(pg: psycopg.Connection[Any]) -> None:
+    """The single-key path of toolguard_enter: same checks, same errors as toolguard_fence_all."""
+    pg.execute(_sql_file("001_initial.sql"))
+    pg.execute(_sql_file("002_fast_path.sql"))
+    enter = "SELECT * FROM toolguard_enter(%s::text[], %s::bigint[], NULL, NULL, NULL, NULL, NULL)"
+    assert pg.execute(enter, (["k"], [10])).fetchone() == (False, None)
+    assert pg.execute(enter, (["k"], [10])).fetchone() == (False, None)  # equal: same lease
+    stale = _raises(pg, enter, (["k"], [9]))
+    assert stale.sqlstate == "TG001"
+    assert json.loads(stale.diag.message_detail or "") == {"key": "k", "token": 9, "current": 10}
+    for keys, tokens in ((["k"], [None]), ([None], [11]), ([""], [11]), (["k"], [0]),
+                         (["k"], [-1]), (["k"], [11, 12]), (["k", "j"], [11]), (None, None),
+                         (["k"], None), ([], [])):
+        error = _raises(pg, enter, (keys, tokens))
+        assert error.sqlstate == "TG002", (keys, tokens)
+    # an array not indexed from 1 has no element 1: rejected, never skipped
+    odd = _raises(pg, "SELECT * FROM toolguard_enter('[0:0]={k}'::text[], ARRAY[11]::bigint[], "
+                      "NULL, NULL, NULL, NULL, NULL)")
+    assert odd.sqlstate == "TG002"
+    assert pg.execute(enter, (["k", "j"], [11, 11])).fetchone() == (False, None)  # several keys
+    assert dict(pg.execute("SELECT key, token FROM toolguard_high_water").fetchall()) == {
+        "k": 11, "j": 11}
+
+
+def test_pg_002_enter_counts_reconciling_attempts(pg: psycopg.Connection[Any]) -> None:
+    pg.execute(_sql_file("001_initial.sql"))
+    pg.execute(_sql_file("002_fast_path.sql"))
+    enter = ("SELECT * FROM toolguard_enter(ARRAY['acct:1'], ARRAY[%s]::bigint[], 'i1', "
+             "'deposit', 'agent', NULL, %s)")
+    with pg.transaction():
+        assert pg.execute(enter, (1, "h")).fetchone() == (False, None)
+    assert pg.execute("SELECT status, attempts FROM toolguard_intent").fetchone() == ("pending", 1)
+    with pg.transaction():  # a 'pending' row was counted when it was created
+        pg.execute(enter, (2, "h"))
+    assert pg.execute("SELECT attempts FROM toolguard_intent").fetchone() == (1,)
+    pg.execute("UPDATE toolguard_intent SET status = 'unknown'")
+    with pg.transaction():  # reconciling an unknown attempt: this one counts
+        pg.execute(enter, (3, "h"))
+        pg.execute("SELECT toolguard_apply('i1', '7', '{}')")
+    assert pg.execute("SELECT status, attempts FROM toolguard_intent").fetchone() == ("applied", 2)
+    assert pg.execute(enter, (4, "h")).fetchone() == (True, 7)
+    assert _raises(pg, enter, (5, "other")).sqlstate == "TG004"
+    assert pg.execute("SELECT attempts FROM toolguard_intent").fetchone() == (2,)
 
 
 def test_audit_is_append_only_in_postgresql(pg: psycopg.Connection[Any]) -> None:

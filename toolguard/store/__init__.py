@@ -7,7 +7,6 @@
 >>> store.install()
 >>> intent = IntentRecord(tool="deposit", idempotency_key="run-7/call-3",
 ...                       args_hash=args_hash(args), agent="payments", keys=("account:42",))
->>> begun = store.begin_intent(intent)             # Replay(result) if it already ran
 >>> with locks.acquire(["account:42"]) as lease:
 ...     with store.fenced(lease.tokens, intent) as tx:
 ...         (balance,) = tx.execute("SELECT balance FROM account WHERE id = %s", (42,)).fetchone()
@@ -18,10 +17,16 @@
 every key (sorted, so two writers cannot deadlock in the database): a token
 lower than one the store has seen for that key is rejected with
 ``StaleFencingToken``; an equal one is accepted (one lease, several writes).
-Then it locks the intent's idempotency row (``DuplicateIntent`` if it was
-applied meanwhile), lets the tool run its SQL on the same connection, records
-the result, writes the accepted audit row and commits: all or nothing. A
-rejected or failed write is rolled back and audited outside the transaction.
+Then it creates or locks the intent's idempotency row (``DuplicateIntent``
+with the recorded result if it was applied before: nothing runs;
+``IdempotencyConflict`` for the same key with other arguments), lets the tool
+run its SQL on the same connection, records the result, writes the accepted
+audit row and commits: all or nothing. A rejected or failed write is rolled
+back and audited outside the transaction, and its intent is recorded as
+'failed' (or 'unknown' when cancelled), to be reconciled by the next attempt.
+``begin_intent(intent)`` (``Begun`` or ``Replay``) reserves the key in a round
+trip of its own, for callers who want to know about a replay before locking;
+``run_fenced`` does without it.
 
 Why the reads must happen inside the fenced transaction
 -------------------------------------------------------

@@ -212,10 +212,16 @@ AUDIT_COLUMNS = ("agent", "tool", "intent_id", "idempotency_key", "workflow", "d
 AUDIT_SELECT = ("id", "at", *AUDIT_COLUMNS)
 
 
+#: Built once: ``json.dumps`` with these options would build a new encoder on every call.
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+#: Values that come back from a JSON round trip unchanged (exact types, not subclasses).
+_JSON_SCALARS = (str, int, bool, type(None))
+
+
 def dump_json(value: Any, what: str = "result") -> str:
     """Strict JSON text (no NaN, no arbitrary objects), so both stores keep the same value."""
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return _JSON.encode(value)
     except (TypeError, ValueError) as error:
         msg = f"the {what} must be JSON-serializable: {error}"
         raise StoreError(msg, reason="not_json") from error
@@ -437,12 +443,18 @@ class _TxBase:
     def record(self, result: Any) -> None:
         """Set the intent's result, stored in the same commit and returned on replays (JSON)."""
         self._result_json = dump_json(result)
-        self._result = json.loads(self._result_json)
+        # What a replay will return: the value as JSON gives it back (tuples become lists...).
+        self._result = result if type(result) in _JSON_SCALARS else json.loads(self._result_json)
         self.recorded = True
 
     @property
     def result_json(self) -> str:
         return self._result_json
+
+    @property
+    def tokens_json(self) -> str:
+        """The tokens as JSON text, as the intent row records them."""
+        return dump_json(dict(self.tokens), "tokens")
 
 
 class FencedTransaction(_TxBase):
@@ -675,7 +687,7 @@ class GuardedStore(Protocol):
 
     def audit(self, entry: AuditEntry) -> AuditEntry: ...
 
-    def mark_unknown(self, idempotency_key: str) -> bool: ...
+    def mark_unknown(self, idempotency_key: str, record: IntentRecord | None = None) -> bool: ...
 
     def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool: ...
 
@@ -707,7 +719,8 @@ class AsyncGuardedStore(Protocol):
 
     async def audit(self, entry: AuditEntry) -> AuditEntry: ...
 
-    async def mark_unknown(self, idempotency_key: str) -> bool: ...
+    async def mark_unknown(self, idempotency_key: str,
+                           record: IntentRecord | None = None) -> bool: ...
 
     async def has_applied(self, tool: str, resource_key: str,
                           workflow: str | None = None) -> bool: ...

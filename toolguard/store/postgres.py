@@ -2,9 +2,15 @@
 
 All logic that must hold for every client lives in SQL (``toolguard/sql``);
 this module only calls it. A fenced write costs two round trips besides the
-tool's own statements: ``BEGIN`` + ``toolguard_enter(...)`` (every fence, in
-sorted order, and the intent row lock) pipelined together, then
-``toolguard_apply(...)`` + the audit ``INSERT`` + ``COMMIT`` pipelined together.
+tool's own statements: ``BEGIN; SELECT toolguard_enter(...)`` (every fence, in
+sorted order, then the intent row: created, locked, checked for a replay or a
+conflict) as one message, then ``SELECT toolguard_apply(...); INSERT INTO
+toolguard_audit ...; COMMIT`` as one message. Both are sent with client-side
+binding (``ClientCursor``: the values are still passed as parameters and
+quoted by psycopg, never formatted into the SQL by hand), which costs less
+client CPU than pipeline mode for the same single round trip. A failed write
+sends its ``ROLLBACK`` together with the audit row (written after the
+rollback, in a transaction of its own) the same way.
 
 Connections are autocommit; a fenced write opens its own transaction. With
 ``schema=...`` every pooled connection uses that schema alone as its
@@ -13,6 +19,7 @@ Connections are autocommit; a fenced write opens its own transaction. With
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -48,7 +55,6 @@ from toolguard.store.base import (
     Migration,
     Replay,
     afenced_flow,
-    dump_json,
     error_from_sqlstate,
     fenced_flow,
     finite_ms,
@@ -76,18 +82,42 @@ BEGIN_INTENT = ("SELECT outcome, previous_status, attempts, result FROM toolguar
                 "%s::text, %s::text, %s::text, %s::text, %s::text[], %s::text)")
 ENTER = ("SELECT applied, result FROM toolguard_enter("
          "%s::text[], %s::bigint[], %s::text, %s::text, %s::text, %s::text, %s::text, %s::text[])")
+#: One message (client-side binding): open the transaction and fence it.
+ENTER_TX = "BEGIN; " + ENTER
 APPLY = "SELECT toolguard_apply(%s::text, %s::jsonb, %s::jsonb)"
 _AUDIT_VALUES = ("%s, %s, %s, %s, %s, %s, %s, %s::text[], %s::jsonb, %s::jsonb, %s, "
                  "%s::double precision, %s::integer")
-AUDIT_INSERT = (f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) "
-                f"VALUES ({_AUDIT_VALUES}) RETURNING id, at")
+_AUDIT_INTO = f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) VALUES ({_AUDIT_VALUES})"
+AUDIT_INSERT = f"{_AUDIT_INTO} RETURNING id, at"
+#: One message (client-side binding): record the result, write the audit row, commit.
+FINISH_TX = f"{APPLY}; {_AUDIT_INTO}; COMMIT"
+FINISH_TX_NO_INTENT = f"{_AUDIT_INTO}; COMMIT"
+# Upsert the intent row as 'failed'/'unknown' (its own row may have been rolled back with the
+# failed transaction), never touching an applied row or another request's row (other tool or
+# args). An attempt the row has not counted yet (its status is not 'pending') is counted here.
+_INTENT_FAILED = (
+    "INSERT INTO toolguard_intent AS i (idempotency_key, tool, agent, workflow, keys, args_hash, "
+    "status, last_error) "
+    "SELECT %s::text, %s::text, %s::text, %s::text, %s::text[], %s::text, %s::text, %s::text "
+    "WHERE %s::boolean "
+    "ON CONFLICT (idempotency_key) DO UPDATE SET status = EXCLUDED.status, "
+    "last_error = EXCLUDED.last_error, updated_at = now(), "
+    "attempts = i.attempts + (i.status <> 'pending')::integer "
+    "WHERE i.status <> 'applied' AND i.tool = EXCLUDED.tool AND i.args_hash = EXCLUDED.args_hash "
+    "RETURNING 1")
 # One statement, so the audit row and the intent's status land together (or not at all).
-FAILURE = (f"WITH failed AS (UPDATE toolguard_intent SET status = %s::text, last_error = %s::text, "
-           f"updated_at = now() WHERE idempotency_key = %s::text AND status <> 'applied' "
-           f"RETURNING 1) "
-           f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) VALUES ({_AUDIT_VALUES})")
+FAILURE = f"WITH failed AS ({_INTENT_FAILED}) {_AUDIT_INTO}"
+#: One message (client-side binding): end the failed transaction, then record the failure in a
+#: transaction of its own (statements after ROLLBACK in one simple query commit together).
+ROLLBACK_FAILURE = f"ROLLBACK; {FAILURE}"
+_OPEN = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 MARK_UNKNOWN = ("UPDATE toolguard_intent SET status = 'unknown', updated_at = now() "
                 "WHERE idempotency_key = %s AND status <> 'applied'")
+MARK_UNKNOWN_UPSERT = (
+    "INSERT INTO toolguard_intent AS i (idempotency_key, tool, agent, workflow, keys, args_hash, "
+    "status) VALUES (%s::text, %s::text, %s::text, %s::text, %s::text[], %s::text, 'unknown') "
+    "ON CONFLICT (idempotency_key) DO UPDATE SET status = 'unknown', updated_at = now() "
+    "WHERE i.status <> 'applied' AND i.tool = EXCLUDED.tool AND i.args_hash = EXCLUDED.args_hash")
 HAS_APPLIED = ("SELECT EXISTS (SELECT 1 FROM toolguard_intent WHERE status = 'applied' "
                "AND tool = %s AND keys @> ARRAY[%s::text] "
                "AND (%s::text IS NULL OR workflow = %s::text))")
@@ -174,20 +204,75 @@ def _begun(key: str, row: Sequence[Any]) -> Begun | Replay:
     return Begun(key, int(attempts), previous)
 
 
+def text_array(values: Iterable[Any]) -> str:
+    """A ``text[]`` input literal, every element quoted: the value of one ``%s::text[]`` parameter.
+
+    The same text psycopg's list dumper produces, without its per-element type
+    inspection. It is still a bound parameter: psycopg quotes the whole literal
+    as one string. None becomes NULL; anything else its ``str()``.
+    """
+    parts = []
+    for value in values:
+        if value is None:
+            parts.append("NULL")
+            continue
+        text = value if type(value) is str else str(value)
+        if "\\" in text or '"' in text:
+            text = text.replace("\\", "\\\\").replace('"', '\\"')
+        parts.append('"' + text + '"')
+    return "{" + ",".join(parts) + "}"
+
+
+def _bigint_array(values: Iterable[int]) -> str:
+    return "{" + ",".join([str(int(v)) for v in values]) + "}"
+
+
+def _audit_values(entry: AuditEntry) -> tuple[Any, ...]:
+    """``entry.insert_values`` with ``keys`` as a ``text[]`` literal (see ``text_array``)."""
+    values = entry.insert_values(DIALECT)
+    return (*values[:7], text_array(entry.keys), *values[8:])
+
+
 def _enter_params(plan: FencePlan) -> tuple[Any, ...]:
+    keys = text_array(plan.keys)
+    tokens = _bigint_array([plan.tokens[k] for k in plan.keys])
     intent = plan.intent
     key = intent.idempotency_key if intent else None
     if intent is None or key is None:
-        return (list(plan.keys), [plan.tokens[k] for k in plan.keys], None, None, None, None, None,
-                None)
-    return (list(plan.keys), [plan.tokens[k] for k in plan.keys], key, intent.tool, intent.agent,
-            intent.workflow, intent.args_hash, list(intent.keys))
+        return (keys, tokens, None, None, None, None, None, None)
+    return (keys, tokens, key, intent.tool, intent.agent, intent.workflow, intent.args_hash,
+            text_array(intent.keys))
 
 
 def _failure_params(plan: FencePlan, entry: AuditEntry,
                     status: IntentStatus | None) -> tuple[Any, ...]:
-    key = plan.idempotency_key if status is not None else None
-    return (status, entry.reason, key, *entry.insert_values(DIALECT))
+    intent = plan.intent
+    if status is None or intent is None or intent.idempotency_key is None:
+        row: tuple[Any, ...] = (None, None, None, None, None, None, None, None, False)
+    else:
+        row = (intent.idempotency_key, intent.tool, intent.agent, intent.workflow,
+               text_array(intent.keys or plan.keys), intent.args_hash, status, entry.reason, True)
+    return (*row, *_audit_values(entry))
+
+
+def _mark_unknown(idempotency_key: str, record: IntentRecord | None) -> tuple[str, tuple[Any, ...]]:
+    if record is None:
+        return MARK_UNKNOWN, (idempotency_key,)
+    if record.idempotency_key != idempotency_key:
+        msg = (f"mark_unknown: the record's idempotency key {record.idempotency_key!r} is not "
+               f"{idempotency_key!r}")
+        raise StoreError(msg, reason="invalid_intent")
+    return MARK_UNKNOWN_UPSERT, (idempotency_key, record.tool, record.agent, record.workflow,
+                                 text_array(record.keys), record.args_hash)
+
+
+def _finish_params(tx: FencedTransaction | AsyncFencedTransaction,
+                   entry: AuditEntry) -> tuple[str, tuple[Any, ...]]:
+    key = tx.intent.idempotency_key if tx.intent else None
+    values = _audit_values(entry)
+    if key is None:
+        return FINISH_TX_NO_INTENT, values
+    return FINISH_TX, (key, tx.result_json, tx.tokens_json, *values)
 
 
 def _duplicate(plan: FencePlan, result: Any) -> DuplicateIntent:
@@ -249,6 +334,8 @@ class _Session:
         self.store = store
         self.conn = conn
         self.tx: FencedTransaction | None = None
+        #: ``abort`` left the ROLLBACK to ``record_failure``, to send it with the audit row.
+        self.rollback_pending = False
 
     def _execute(self, query: str, params: Any) -> psycopg.Cursor[Any]:
         try:
@@ -263,9 +350,9 @@ class _Session:
 
     def enter(self, plan: FencePlan) -> FencedTransaction:
         conn = self.conn
-        with conn.pipeline():
-            conn.execute("BEGIN")
-            cursor = conn.execute(ENTER, _enter_params(plan))
+        cursor = psycopg.ClientCursor(conn)
+        cursor.execute(ENTER_TX, _enter_params(plan))
+        cursor.nextset()  # past BEGIN's empty result
         row = cursor.fetchone()
         assert row is not None
         if row[0]:
@@ -279,27 +366,36 @@ class _Session:
         problem = _ended(self.conn.info.transaction_status)
         if problem is not None:
             raise problem
-        key = tx.intent.idempotency_key if tx.intent else None
-        with self.conn.pipeline():
-            if key is not None:
-                self.conn.execute(APPLY, (key, tx.result_json, dump_json(dict(tx.tokens))))
-            self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT))
-            self.conn.execute("COMMIT")
+        query, params = _finish_params(tx, entry)
+        psycopg.ClientCursor(self.conn).execute(query, params)
 
     def abort(self, error: BaseException) -> BaseException:
-        conn = self.conn
-        if not conn.closed and conn.info.transaction_status in (TransactionStatus.INTRANS,
-                                                               TransactionStatus.INERROR):
-            with contextlib.suppress(psycopg.Error):
-                conn.execute("ROLLBACK")
+        # The ROLLBACK goes out with the failure's audit row, in one message (record_failure);
+        # ``settle`` sends it alone if that never happens.
+        self.rollback_pending = not self.conn.closed and self.conn.info.transaction_status in _OPEN
         mapped = translate(error)
         if isinstance(mapped, BackendUnavailable):
             self.store._forget_dead()
         return mapped
 
+    def settle(self) -> None:
+        """Roll back a transaction that ``abort`` left open (before the connection goes back)."""
+        conn = self.conn
+        self.rollback_pending = False
+        if not conn.closed and conn.info.transaction_status in _OPEN:
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+
     def record_failure(self, plan: FencePlan, entry: AuditEntry,
                        status: IntentStatus | None) -> None:
         params = _failure_params(plan, entry, status)
+        if self.rollback_pending:
+            self.rollback_pending = False
+            try:
+                psycopg.ClientCursor(self.conn).execute(ROLLBACK_FAILURE, params)
+                return
+            except psycopg.Error:
+                self.settle()  # then try once more below, alone
         if not self.conn.closed and self.conn.info.transaction_status == TransactionStatus.IDLE:
             self.conn.execute(FAILURE, params)
             return
@@ -386,7 +482,12 @@ class PostgresStore(_PgBase):
     @contextlib.contextmanager
     def _session(self) -> Iterator[_Session]:
         with self.connection() as conn:
-            yield _Session(self, conn)
+            session = _Session(self, conn)
+            try:
+                yield session
+            finally:
+                if session.rollback_pending:
+                    session.settle()
 
     def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
                detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
@@ -396,14 +497,22 @@ class PostgresStore(_PgBase):
     def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
         with self.connection() as conn:
-            row = conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchone()
+            row = conn.execute(AUDIT_INSERT, _audit_values(entry)).fetchone()
         assert row is not None
         return replace(entry, id=int(row[0]), at=row[1])
 
-    def mark_unknown(self, idempotency_key: str) -> bool:
-        """Record that a call was cancelled mid-flight; never touches an applied intent."""
+    def mark_unknown(self, idempotency_key: str, record: IntentRecord | None = None) -> bool:
+        """Record that a call was cancelled mid-flight; never touches an applied intent.
+
+        With ``record`` (the intent with that key) a missing row is created with
+        status 'unknown' (a fenced write creates its row inside its own
+        transaction, so a cancelled one may have left none); without it only an
+        existing row is marked. A row of another tool or other arguments is left
+        alone. True if a row was marked.
+        """
+        query, params = _mark_unknown(idempotency_key, record)
         with self.connection() as conn:
-            return conn.execute(MARK_UNKNOWN, (idempotency_key,)).rowcount > 0
+            return conn.execute(query, params).rowcount > 0
 
     def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
         """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
@@ -454,6 +563,7 @@ class _AsyncSession:
         self.store = store
         self.conn = conn
         self.tx: AsyncFencedTransaction | None = None
+        self.rollback_pending = False
 
     async def _execute(self, query: str, params: Any) -> psycopg.AsyncCursor[Any]:
         try:
@@ -468,9 +578,9 @@ class _AsyncSession:
 
     async def enter(self, plan: FencePlan) -> AsyncFencedTransaction:
         conn = self.conn
-        async with conn.pipeline():
-            await conn.execute("BEGIN")
-            cursor = await conn.execute(ENTER, _enter_params(plan))
+        cursor = psycopg.AsyncClientCursor(conn)
+        await cursor.execute(ENTER_TX, _enter_params(plan))
+        cursor.nextset()  # past BEGIN's empty result
         row = await cursor.fetchone()
         assert row is not None
         if row[0]:
@@ -484,27 +594,35 @@ class _AsyncSession:
         problem = _ended(self.conn.info.transaction_status)
         if problem is not None:
             raise problem
-        key = tx.intent.idempotency_key if tx.intent else None
-        async with self.conn.pipeline():
-            if key is not None:
-                await self.conn.execute(APPLY, (key, tx.result_json, dump_json(dict(tx.tokens))))
-            await self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT))
-            await self.conn.execute("COMMIT")
+        query, params = _finish_params(tx, entry)
+        await psycopg.AsyncClientCursor(self.conn).execute(query, params)
 
     async def abort(self, error: BaseException) -> BaseException:
-        conn = self.conn
-        if not conn.closed and conn.info.transaction_status in (TransactionStatus.INTRANS,
-                                                               TransactionStatus.INERROR):
-            with contextlib.suppress(psycopg.Error):
-                await conn.execute("ROLLBACK")
+        # As the sync twin: the ROLLBACK goes out with the audit row (or alone, in ``settle``).
+        self.rollback_pending = not self.conn.closed and self.conn.info.transaction_status in _OPEN
         mapped = translate(error)
         if isinstance(mapped, BackendUnavailable):
             await self.store._forget_dead()
         return mapped
 
+    async def settle(self) -> None:
+        """Roll back a transaction that ``abort`` left open (before the connection goes back)."""
+        conn = self.conn
+        self.rollback_pending = False
+        if not conn.closed and conn.info.transaction_status in _OPEN:
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute("ROLLBACK")
+
     async def record_failure(self, plan: FencePlan, entry: AuditEntry,
                              status: IntentStatus | None) -> None:
         params = _failure_params(plan, entry, status)
+        if self.rollback_pending:
+            self.rollback_pending = False
+            try:
+                await psycopg.AsyncClientCursor(self.conn).execute(ROLLBACK_FAILURE, params)
+                return
+            except psycopg.Error:
+                await self.settle()
         if not self.conn.closed and self.conn.info.transaction_status == TransactionStatus.IDLE:
             await self.conn.execute(FAILURE, params)
             return
@@ -599,7 +717,12 @@ class AsyncPostgresStore(_PgBase):
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[_AsyncSession]:
         async with self.connection() as conn:
-            yield _AsyncSession(self, conn)
+            session = _AsyncSession(self, conn)
+            try:
+                yield session
+            finally:
+                if session.rollback_pending:
+                    await asyncio.shield(session.settle())
 
     def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
                detail: str | None = None
@@ -610,14 +733,16 @@ class AsyncPostgresStore(_PgBase):
     async def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
         async with self.connection() as conn:
-            row = await (await conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT))).fetchone()
+            row = await (await conn.execute(AUDIT_INSERT, _audit_values(entry))).fetchone()
         assert row is not None
         return replace(entry, id=int(row[0]), at=row[1])
 
-    async def mark_unknown(self, idempotency_key: str) -> bool:
-        """Record that a call was cancelled mid-flight; never touches an applied intent."""
+    async def mark_unknown(self, idempotency_key: str,
+                           record: IntentRecord | None = None) -> bool:
+        """Record that a call was cancelled mid-flight (see ``PostgresStore.mark_unknown``)."""
+        query, params = _mark_unknown(idempotency_key, record)
         async with self.connection() as conn:
-            return (await conn.execute(MARK_UNKNOWN, (idempotency_key,))).rowcount > 0
+            return (await conn.execute(query, params)).rowcount > 0
 
     async def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
         """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""

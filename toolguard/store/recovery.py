@@ -36,11 +36,9 @@ from toolguard.locks.base import canonical_keys
 from toolguard.store.base import (
     AsyncFencedTransaction,
     AsyncGuardedStore,
-    AuditEntry,
     FencedTransaction,
     GuardedStore,
     IntentRecord,
-    Replay,
 )
 
 if TYPE_CHECKING:
@@ -129,13 +127,6 @@ async def areseed(locks: AsyncLockManager, store: AsyncGuardedStore,
     return floors
 
 
-def _replay_entry(intent: IntentRecord, keys: tuple[str, ...], detail: str) -> AuditEntry:
-    return AuditEntry(decision="replayed", reason="duplicate", tool=intent.tool, agent=intent.agent,
-                      intent_id=intent.intent_id, idempotency_key=intent.idempotency_key,
-                      workflow=intent.workflow, keys=keys, args=intent.args, detail=detail,
-                      node_attempt=intent.node_attempt)
-
-
 def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str],
                body: Callable[[FencedTransaction], T], *, intent: IntentRecord | None = None,
                ttl_ms: int | None = None, timeout_s: float | None = None,
@@ -149,13 +140,14 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
     ``StaleFencingToken`` under a lease that is still held means the lock
     server regressed: re-seed from the store and retry once.
     Every other error propagates (already audited by the store).
+
+    There is no separate ``begin_intent`` round trip: the fenced transaction's
+    first statement creates and locks the intent row, and finds a replay
+    (``DuplicateIntent``, rolled back before the body runs) or a conflict
+    (``IdempotencyConflict``) there. A replay therefore waits for the lock
+    like any call; the body never runs twice.
     """
     ordered = canonical_keys(keys)
-    if intent is not None and intent.idempotency_key is not None:
-        begun = store.begin_intent(intent)
-        if isinstance(begun, Replay):
-            store.audit(_replay_entry(intent, ordered, f"replayed (attempts: {begun.attempts})"))
-            return Outcome(begun.result, replayed=True)
     for attempt in (1, 2):
         lease = locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s)
         try:
@@ -188,12 +180,6 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
                       reseed_on_regression: bool = True) -> Outcome[Any]:
     """The asyncio twin of ``run_fenced``; ``body`` is a coroutine function."""
     ordered = canonical_keys(keys)
-    if intent is not None and intent.idempotency_key is not None:
-        begun = await store.begin_intent(intent)
-        if isinstance(begun, Replay):
-            await store.audit(_replay_entry(intent, ordered,
-                                            f"replayed (attempts: {begun.attempts})"))
-            return Outcome(begun.result, replayed=True)
     for attempt in (1, 2):
         lease = await locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s)
         try:

@@ -28,6 +28,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -93,12 +94,28 @@ RETRY_INTENT = (f"UPDATE toolguard_intent SET status = 'pending', attempts = att
                 f"updated_at = {NOW} WHERE idempotency_key = ?")
 APPLY = (f"UPDATE toolguard_intent SET status = 'applied', result = ?, tokens = ?, last_error = NULL, "
          f"applied_at = {NOW}, updated_at = {NOW} WHERE idempotency_key = ? AND status <> 'applied'")
-FAIL_INTENT = (f"UPDATE toolguard_intent SET status = ?, last_error = ?, updated_at = {NOW} "
-               f"WHERE idempotency_key = ? AND status <> 'applied'")
+#: An attempt that reaches the fenced transaction on a failed/unknown intent is counted there
+#: (only if it commits; a failed one is counted by ``FAIL_INTENT``).
+COUNT_ATTEMPT = (f"UPDATE toolguard_intent SET attempts = attempts + 1, updated_at = {NOW} "
+                 f"WHERE idempotency_key = ?")
+# The failed attempt's own row may have been rolled back with it: upsert, never touching an
+# applied row or another request's (other tool or args); count an attempt not counted yet.
+FAIL_INTENT = (
+    "INSERT INTO toolguard_intent AS i (idempotency_key, tool, agent, workflow, keys, args_hash, "
+    "status, last_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+    f"ON CONFLICT (idempotency_key) DO UPDATE SET status = excluded.status, "
+    f"last_error = excluded.last_error, updated_at = {NOW}, "
+    f"attempts = i.attempts + (i.status <> 'pending') "
+    f"WHERE i.status <> 'applied' AND i.tool = excluded.tool AND i.args_hash = excluded.args_hash")
 AUDIT_INSERT = (f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) "
                 f"VALUES ({', '.join('?' * len(AUDIT_COLUMNS))}) RETURNING id, at")
 MARK_UNKNOWN = (f"UPDATE toolguard_intent SET status = 'unknown', updated_at = {NOW} "
                 f"WHERE idempotency_key = ? AND status <> 'applied'")
+MARK_UNKNOWN_UPSERT = (
+    "INSERT INTO toolguard_intent AS i (idempotency_key, tool, agent, workflow, keys, args_hash, "
+    "status) VALUES (?, ?, ?, ?, ?, ?, 'unknown') "
+    f"ON CONFLICT (idempotency_key) DO UPDATE SET status = 'unknown', updated_at = {NOW} "
+    f"WHERE i.status <> 'applied' AND i.tool = excluded.tool AND i.args_hash = excluded.args_hash")
 HAS_APPLIED = ("SELECT EXISTS (SELECT 1 FROM toolguard_intent WHERE status = 'applied' AND tool = ? "
                "AND EXISTS (SELECT 1 FROM json_each(toolguard_intent.keys) WHERE json_each.value = ?) "
                "AND (? IS NULL OR workflow = ?))")
@@ -166,16 +183,35 @@ class _Connections:
         self._pid = os.getpid()
 
     def _open(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = None
         try:
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
                                    isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
+            self._wal(conn)
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
             conn.execute("PRAGMA foreign_keys=ON")
         except sqlite3.Error as error:
+            if conn is not None:
+                conn.close()
             msg = f"sqlite {self.path}: {error}"
             raise BackendUnavailable(msg) from error
         return conn
+
+    def _wal(self, conn: sqlite3.Connection) -> None:
+        """Switch the file to WAL. Several processes opening a new file at once race for it:
+        the switch can fail with "database is locked" without waiting for the busy timeout,
+        so retry until that timeout."""
+        deadline = time.monotonic() + self.busy_timeout_ms / 1000
+        pause = 0.005
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def take(self) -> sqlite3.Connection:
         with self._lock:
@@ -253,6 +289,8 @@ class _Session:
             msg = (f"intent {intent.idempotency_key!r} was already applied; "
                    f"returning its recorded result")
             raise DuplicateIntent(msg, result=_loads(result))
+        if status != "pending":  # reconciling a failed/unknown attempt ('pending': begin_intent counted it)
+            conn.execute(COUNT_ATTEMPT, (intent.idempotency_key,))
 
     def enter(self, plan: FencePlan) -> FencedTransaction:
         self.begin(plan)
@@ -269,7 +307,7 @@ class _Session:
             raise StoreError(msg, reason="transaction_ended")
         key = tx.intent.idempotency_key if tx.intent else None
         if key is not None:
-            self.conn.execute(APPLY, (tx.result_json, dump_json(dict(tx.tokens)), key))
+            self.conn.execute(APPLY, (tx.result_json, tx.tokens_json, key))
         self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
         self.conn.execute("COMMIT")
 
@@ -394,8 +432,11 @@ class SqliteStore:
                         status: IntentStatus | None) -> None:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if status is not None and plan.idempotency_key is not None:
-                conn.execute(FAIL_INTENT, (status, entry.reason, plan.idempotency_key))
+            intent = plan.intent
+            if status is not None and intent is not None and intent.idempotency_key is not None:
+                conn.execute(FAIL_INTENT, (intent.idempotency_key, intent.tool, intent.agent,
+                                           intent.workflow, dump_json(list(intent.keys or plan.keys)),
+                                           intent.args_hash, status, entry.reason))
             conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
         except BaseException:
             if conn.in_transaction:
@@ -409,10 +450,25 @@ class SqliteStore:
             (row,) = conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
         return replace(entry, id=int(row[0]), at=datetime.fromisoformat(row[1]))
 
-    def mark_unknown(self, idempotency_key: str) -> bool:
-        """Record that a call was cancelled mid-flight; never touches an applied intent."""
+    def mark_unknown(self, idempotency_key: str, record: IntentRecord | None = None) -> bool:
+        """Record that a call was cancelled mid-flight; never touches an applied intent.
+
+        With ``record`` (the intent with that key) a missing row is created with
+        status 'unknown'; without it only an existing row is marked. A row of
+        another tool or other arguments is left alone. True if a row was marked.
+        """
+        if record is None:
+            query, params = MARK_UNKNOWN, (idempotency_key,)
+        elif record.idempotency_key != idempotency_key:
+            msg = (f"mark_unknown: the record's idempotency key {record.idempotency_key!r} is not "
+                   f"{idempotency_key!r}")
+            raise StoreError(msg, reason="invalid_intent")
+        else:
+            query, params = MARK_UNKNOWN_UPSERT, (
+                idempotency_key, record.tool, record.agent, record.workflow,
+                dump_json(list(record.keys)), record.args_hash)
         with self.connection() as conn:
-            return conn.execute(MARK_UNKNOWN, (idempotency_key,)).rowcount > 0
+            return conn.execute(query, params).rowcount > 0
 
     def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
         """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
@@ -585,9 +641,10 @@ class AsyncSqliteStore:
         """Append one audit row (for decisions taken outside a fenced write)."""
         return await asyncio.to_thread(self.sync.audit, entry)
 
-    async def mark_unknown(self, idempotency_key: str) -> bool:
-        """Record that a call was cancelled mid-flight; never touches an applied intent."""
-        return await asyncio.to_thread(self.sync.mark_unknown, idempotency_key)
+    async def mark_unknown(self, idempotency_key: str,
+                           record: IntentRecord | None = None) -> bool:
+        """Record that a call was cancelled mid-flight (see ``SqliteStore.mark_unknown``)."""
+        return await asyncio.to_thread(self.sync.mark_unknown, idempotency_key, record)
 
     async def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
         """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
