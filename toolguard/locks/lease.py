@@ -145,6 +145,9 @@ class Heartbeat:
         self._in_flight: set[int] = set()
         self._renewers: dict[int, queue.SimpleQueue[list[Lease]]] = {}
         self._pid = os.getpid()
+        #: When the sleeping loop will wake on its own (0 while it is awake): a new lease
+        #: due later needs no wake-up, which keeps ``acquire`` from waking this thread.
+        self._wake_at = 0.0
 
     def add(self, lease: Lease) -> None:
         with self._cond:
@@ -153,7 +156,8 @@ class Heartbeat:
                 self._thread = threading.Thread(target=self._run, name="toolguard-heartbeat",
                                                 daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif self._due_at(lease) < self._wake_at:
+                self._cond.notify()
 
     def remove(self, lease: Lease) -> None:
         with self._cond:
@@ -198,7 +202,9 @@ class Heartbeat:
                 # A backend with one lease due renews all its leases due soon in the same call.
                 groups = {backend: group for backend, group in soon.items() if backend in due}
                 if not expired and not groups:
+                    self._wake_at = wake
                     self._cond.wait(timeout=max(0.001, wake - now))
+                    self._wake_at = 0.0
                     continue
                 self._in_flight.update(groups)
                 for backend_id, group in groups.items():
