@@ -10,10 +10,10 @@ score + %s WHERE id = %s RETURNING score``) in a table of 1,000 leads.
   (``BEGIN``, ``UPDATE``, ``COMMIT``).
 * guarded: the same statement in a ``@guarded`` tool run through ``ToolGuard``
   with a stable identity (call id + thread id), so every call does the whole
-  pipeline: strict validation, policy, the idempotency record
-  (``begin_intent``), a Redis lock with its fencing token, the fenced
-  PostgreSQL transaction (fence check+advance, intent row, the tool's
-  ``UPDATE``, the recorded result, the audit row, ``COMMIT``), release.
+  pipeline: strict validation, policy, a Redis lock with its fencing token,
+  the fenced PostgreSQL transaction (fence check+advance and the idempotency
+  record's intent row, the tool's ``UPDATE``, the recorded result, the audit
+  row, ``COMMIT``), release.
 
 1. Latency, one thread: bare and guarded calls alternate in rounds, so slow
    drifts of the machine hit both alike. p50/p99 per call and guarded/bare.
@@ -221,11 +221,10 @@ def throughput(call: Callable[[str], None], seconds: float, agents: int = AGENTS
 
 #: (step, server round trips, what happens), in the order a call runs them.
 STEPS = [
-    ("begin_intent", "1 PG + commit", "reserve the idempotency key (autocommit)"),
     ("lock acquire", "1 Redis", "EVALSHA: grant + fencing token"),
-    ("fenced enter", "1 PG", "BEGIN + toolguard_enter (fence, intent row), pipelined"),
+    ("fenced enter", "1 PG", "BEGIN + toolguard_enter (fences, intent row), one message"),
     ("tool SQL", "1 PG", "the tool's UPDATE (what bare also runs)"),
-    ("fenced finish", "1 PG + commit", "apply + audit INSERT + COMMIT, pipelined"),
+    ("fenced finish", "1 PG + commit", "apply + audit INSERT + COMMIT, one message"),
     ("lock release", "1 Redis", "EVALSHA: release / hand-off"),
 ]
 
@@ -254,8 +253,7 @@ def breakdown(setup: Setup, calls: int) -> tuple[dict[str, list[float]], list[fl
         setattr(owner, attribute, wrapper)
         return lambda: setattr(owner, attribute, original)
 
-    undo = [timed(setup.store, "begin_intent", "begin_intent"),
-            timed(setup.locks.backend, "try_acquire", "lock acquire"),
+    undo = [timed(setup.locks.backend, "try_acquire", "lock acquire"),
             timed(setup.locks.backend, "release", "lock release"),
             timed(postgres._Session, "enter", "fenced enter"),
             timed(postgres._Session, "_execute", "tool SQL"),
@@ -370,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_p50 = summarize(cpu).p50
         table.add_row("client CPU: guard, store, psycopg, redis-py (calling thread)", "-",
                       fmt_s(cpu_p50), f"{ratio(cpu_p50, whole):.0%}")
-        table.add_row("whole guarded call", "4 PG + 2 Redis", fmt_s(whole), "100%")
+        table.add_row("whole guarded call", "3 PG + 2 Redis", fmt_s(whole), "100%")
         table.add_row(f"bare: BEGIN, UPDATE, COMMIT (client CPU "
                       f"{fmt_s(summarize(bare_cpu(setup, 300)).p50)})", "3 PG", fmt_s(bare.p50),
                       f"{ratio(bare.p50, whole):.0%}")
