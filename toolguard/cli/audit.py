@@ -205,6 +205,11 @@ def _format(json_out: bool, csv_out: bool) -> Literal["table", "json", "csv"]:
     return "json" if json_out else "csv" if csv_out else "table"
 
 
+LimitOpt = Annotated[int, typer.Option("--limit", "-n", min=0, metavar="N",
+                                       help="Show at most this many (0: all).")]
+OldestFirstOpt = Annotated[bool, typer.Option("--oldest-first", help="Oldest entries first.")]
+
+
 # --- commands ------------------------------------------------------------------------------
 
 
@@ -215,10 +220,7 @@ def audit(
     tool: ToolOpt = None, agent: AgentOpt = None, key: KeyOpt = None,
     workflow: WorkflowOpt = None, intent: IntentOpt = None,
     since: SinceOpt = None, until: UntilOpt = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=0, metavar="N",
-                                       help="Show at most this many (0: all).")] = 50,
-    oldest_first: Annotated[bool, typer.Option("--oldest-first", help="Oldest entries first.")]
-    = False,
+    limit: LimitOpt = 50, oldest_first: OldestFirstOpt = False,
     json_out: JsonOpt = False, csv_out: CsvOpt = False,
     url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
 ) -> None:
@@ -237,10 +239,7 @@ def list_command(
     tool: ToolOpt = None, agent: AgentOpt = None, key: KeyOpt = None,
     workflow: WorkflowOpt = None, intent: IntentOpt = None,
     since: SinceOpt = None, until: UntilOpt = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=0, metavar="N",
-                                       help="Show at most this many (0: all).")] = 50,
-    oldest_first: Annotated[bool, typer.Option("--oldest-first", help="Oldest entries first.")]
-    = False,
+    limit: LimitOpt = 50, oldest_first: OldestFirstOpt = False,
     json_out: JsonOpt = False, csv_out: CsvOpt = False,
     url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
 ) -> None:

@@ -322,8 +322,12 @@ class PostgresBackend:
         self.max_size = max_size
         self.timeout_s = timeout_s
         self.presence_ms = presence_ms
+        # A partitioned link must not leave a lock call waiting forever: the kernel drops a
+        # connection whose data goes unacknowledged for timeout_s, and probes idle ones.
         self.connect_options: dict[str, Any] = {
-            "application_name": application_name, "connect_timeout": max(1, int(timeout_s))}
+            "application_name": application_name, "connect_timeout": max(1, int(timeout_s)),
+            "tcp_user_timeout": int(timeout_s * 1000), "keepalives": 1, "keepalives_idle": 5,
+            "keepalives_interval": 2, "keepalives_count": 3}
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._listener: _Listener | None = None
