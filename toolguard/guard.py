@@ -16,16 +16,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from toolguard.context import CallContext, bind
+from toolguard.context import CallContext, bind, current
 from toolguard.errors import (
     BackendUnavailable,
     IntentRejected,
+    InvalidArguments,
     LockError,
     OutOfOrder,
     StoreError,
@@ -170,7 +171,7 @@ class ToolGuard:
         elif isinstance(intent.args, Mapping):
             args = json_args(intent.args)
         else:
-            raise _invalid("args: expected an object of named arguments")
+            raise InvalidArguments("args: expected an object of named arguments")
         authorize(rule, intent.agent)
         check_constraints(rule, args)
         keys = () if rule.read_only else lock_keys(rule, args)
@@ -211,7 +212,7 @@ class ToolGuard:
 
             def body(tx: Any) -> Any:
                 with bind(self._context(intent, prepared, tx, tx.lease)):
-                    return execute(_current_ctx())
+                    return execute(current())
 
             outcome = run_fenced(locks, store, prepared.keys, _with_lease(body),
                                  intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
@@ -242,16 +243,9 @@ class ToolGuard:
         if not prepared.after:
             return
         _, store = self._sync_edges()
-        deadline = time.monotonic() + prepared.rule.after_wait_s
-        pause = _ORDER_POLL_MIN_S
-        while True:
-            missing = _first_missing(prepared, store.has_applied)
-            if missing is None:
-                return
-            if time.monotonic() >= deadline:
-                raise _out_of_order(prepared, missing)
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, _ORDER_POLL_MAX_S)
+        wait = _OrderWait(prepared)
+        while (missing := next((c for c in wait.checks() if not store.has_applied(*c)), None)):
+            time.sleep(wait.pause_or_raise(missing))
 
     def _run_unlocked(self, intent: Intent, prepared: _Prepared,
                       execute: Callable[[CallContext], Any], started: float) -> Decision:
@@ -302,7 +296,7 @@ class ToolGuard:
 
             async def body(tx: Any) -> Any:
                 with bind(self._context(intent, prepared, tx, tx.lease)):
-                    return await execute(_current_ctx())
+                    return await execute(current())
 
             outcome = await arun_fenced(locks, store, prepared.keys, _with_lease_async(body),
                                         intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
@@ -333,23 +327,16 @@ class ToolGuard:
         if not prepared.after:
             return
         _, store = self._async_edges()
-        deadline = time.monotonic() + prepared.rule.after_wait_s
-        pause = _ORDER_POLL_MIN_S
+        wait = _OrderWait(prepared)
         while True:
             missing = None
-            for earlier, keys in prepared.after:
-                for key in keys:
-                    if not await store.has_applied(earlier, key):
-                        missing = (earlier, key)
-                        break
-                if missing:
+            for check in wait.checks():
+                if not await store.has_applied(*check):
+                    missing = check
                     break
             if missing is None:
                 return
-            if time.monotonic() >= deadline:
-                raise _out_of_order(prepared, missing)
-            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, _ORDER_POLL_MAX_S)
+            await asyncio.sleep(wait.pause_or_raise(missing))
 
     async def _arecord_unknown(self, intent: Intent, prepared: _Prepared | None,
                                error: BaseException, started: float) -> None:
@@ -376,12 +363,6 @@ class ToolGuard:
 
 
 # --- helpers shared by both paths ------------------------------------------------------------
-
-
-def _current_ctx() -> CallContext:
-    from toolguard.context import current
-
-    return current()
 
 
 def _with_lease(body: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -442,13 +423,27 @@ def _storable(value: Any) -> Any:
     return value
 
 
-def _first_missing(prepared: _Prepared,
-                   has_applied: Callable[[str, str], bool]) -> tuple[str, str] | None:
-    for earlier, keys in prepared.after:
-        for key in keys:
-            if not has_applied(earlier, key):
-                return earlier, key
-    return None
+class _OrderWait:
+    """The bounded wait of an ``after:`` rule: what to check, and how long to pause between looks."""
+
+    def __init__(self, prepared: _Prepared) -> None:
+        self.prepared = prepared
+        self.deadline = time.monotonic() + prepared.rule.after_wait_s
+        self.pause = _ORDER_POLL_MIN_S
+
+    def checks(self) -> Iterator[tuple[str, str]]:
+        """``(earlier tool, resource key)`` pairs whose applied record must exist."""
+        for earlier, keys in self.prepared.after:
+            for key in keys:
+                yield earlier, key
+
+    def pause_or_raise(self, missing: tuple[str, str]) -> float:
+        """The next pause (doubling up to a cap), or ``OutOfOrder`` once the wait is over."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _out_of_order(self.prepared, missing)
+        pause, self.pause = min(self.pause, left), min(self.pause * 2, _ORDER_POLL_MAX_S)
+        return pause
 
 
 def _out_of_order(prepared: _Prepared, missing: tuple[str, str]) -> OutOfOrder:
@@ -456,12 +451,6 @@ def _out_of_order(prepared: _Prepared, missing: tuple[str, str]) -> OutOfOrder:
     msg = (f"{prepared.record.tool} must run after {earlier} on {key}, and no applied "
            f"{earlier} was recorded within {prepared.rule.after_wait_s:g}s")
     return OutOfOrder(msg)
-
-
-def _invalid(message: str) -> IntentRejected:
-    from toolguard.errors import InvalidArguments
-
-    return InvalidArguments(message)
 
 
 def _accepted(intent: Intent, prepared: _Prepared, result: Any, replayed: bool,
