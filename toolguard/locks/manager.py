@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = ["AsyncLockManager", "LockManager"]
 #: Longest a waiter sleeps without re-checking the key: bounds the delay after a
 #: crashed holder's TTL runs out, and keeps the waiter's place in the queue alive.
 MAX_POLL_S = 0.5
+POLL_JITTER_S = 0.005
 
 
 @dataclass(slots=True)
@@ -62,7 +64,11 @@ class _Plan:
         remaining = until - time.monotonic()
         if remaining <= 0:
             return None
-        hint = retry_ms / 1000 if retry_ms > 0 else MAX_POLL_S
+        # Jittered, so waiters that saw the same expiring holder do not all look at once.
+        if retry_ms > 0:
+            hint = retry_ms / 1000 + random.uniform(0.0, POLL_JITTER_S)
+        else:
+            hint = MAX_POLL_S * random.uniform(0.5, 1.0)
         return max(0.001, min(remaining, hint, MAX_POLL_S))
 
     def backoff_s(self) -> float | None:
