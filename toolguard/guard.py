@@ -1,7 +1,8 @@
 """The guard: one tool call from untrusted intent to audited, fenced effect.
 
-validate -> authorize -> resolve keys -> dedupe -> order -> lock -> execute
--> fenced write -> release, every decision audited with a stable reason code.
+validate -> authorize -> resolve keys -> order -> lock -> fenced transaction
+(fences, dedupe by idempotency key, execute, record, audit) -> release, every
+decision audited with a stable reason code.
 
 The deciding steps (``_prepare``) are pure and shared by ``run`` and ``arun``;
 only the I/O edges (ordering wait, lock + fenced transaction) come in pairs.
