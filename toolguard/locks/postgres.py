@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
+import socket
 import threading
 import time
 import uuid
@@ -230,6 +232,93 @@ class _Doorbell:
         return future
 
 
+#: Longest one lock statement may wait for a pooled connection, and then for its answer
+#: before that connection is cut.
+CALL_TIMEOUT_S = 5.0
+
+
+class _Call:
+    """One statement under the watchdog; ``cut`` tells the caller why its connection died."""
+
+    __slots__ = ("cut", "deadline", "fd")
+
+    def __init__(self, fd: int, deadline: float) -> None:
+        self.fd = fd
+        self.deadline = deadline
+        self.cut = False
+
+
+class _Watchdog:
+    """Cuts the socket of a statement that outlives its deadline.
+
+    psycopg has no client-side read timeout: on a link that stopped answering
+    (not closed), a lock call would wait as long as the stall lasts, and a
+    release must never hang. Shutting the socket down makes psycopg's wait
+    return at once with an OperationalError; the pool then drops the connection.
+    One thread serves every connection of the process.
+    """
+
+    def __init__(self) -> None:
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._wake_at = 0.0
+
+    @contextlib.contextmanager
+    def watch(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+              timeout_s: float) -> Any:
+        call = _Call(conn.fileno(), time.monotonic() + timeout_s)
+        ident = next(self._ids)
+        with self._cond:
+            self._calls[ident] = call
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="toolguard-pg-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            elif call.deadline < self._wake_at:
+                self._cond.notify()
+        try:
+            yield call
+        finally:
+            with self._cond:
+                self._calls.pop(ident, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                late = [ident for ident, call in self._calls.items() if call.deadline <= now]
+                # Cut while holding the lock: ``watch`` cannot return (and the connection
+                # cannot be closed and its descriptor reused) until this is done.
+                for ident in late:
+                    call = self._calls.pop(ident)
+                    call.cut = True
+                    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(call.fd)) as sock:
+                        sock.shutdown(socket.SHUT_RDWR)
+                if not late:
+                    self._wake_at = min((c.deadline for c in self._calls.values()), default=now + 60)
+                    self._cond.wait(max(0.001, self._wake_at - now))
+                    self._wake_at = 0.0
+
+
+_watchdog = _Watchdog()
+
+
+def _new_watchdog_after_fork() -> None:
+    global _watchdog
+    _watchdog = _Watchdog()
+
+
+os.register_at_fork(after_in_child=_new_watchdog_after_fork)
+
+
+def _timed_out(call: _Call | None, error: BaseException) -> BackendUnavailable | None:
+    if call is None or not call.cut:
+        return None
+    return BackendUnavailable(f"postgres: no answer within {CALL_TIMEOUT_S:g}s ({error})")
+
+
 def _resolve(future: asyncio.Future[int], token: int) -> None:
     if not future.done():
         future.set_result(token)
@@ -383,10 +472,15 @@ class PostgresBackend:
         grant), so one retry after a dropped connection is safe.
         """
         for attempt in (1, 2):
+            call: _Call | None = None
             try:
-                with pool.connection() as conn:
+                with pool.connection(timeout=CALL_TIMEOUT_S) as conn, \
+                        _watchdog.watch(conn, CALL_TIMEOUT_S) as call:
                     return step(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as error:
+                silent = _timed_out(call, error)
+                if silent is not None:  # a link that stopped answering: no second wait
+                    raise silent from error
                 if attempt == 2:
                     raise BackendUnavailable(f"postgres: {error}") from error
                 with contextlib.suppress(Exception):
@@ -535,16 +629,21 @@ class AsyncPostgresBackend:
                     await pool.open()
                     self._pool = pool
         assert self._pool is not None
-        async with self._pool.connection() as conn:
+        async with self._pool.connection(timeout=CALL_TIMEOUT_S) as conn:
             yield conn
 
     async def _run(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         for attempt in (1, 2):  # one retry on a dropped connection, as in the sync backend
+            call: _Call | None = None
             try:
                 async with self._connection() as conn:
-                    cursor = await conn.execute(sql, params)
-                    return await cursor.fetchall() if cursor.description else []
+                    with _watchdog.watch(conn, CALL_TIMEOUT_S) as call:
+                        cursor = await conn.execute(sql, params)
+                        return await cursor.fetchall() if cursor.description else []
             except (psycopg.OperationalError, psycopg.InterfaceError) as error:
+                silent = _timed_out(call, error)
+                if silent is not None:
+                    raise silent from error
                 if attempt == 2:
                     raise BackendUnavailable(f"postgres: {error}") from error
                 if self._pool is not None:
