@@ -40,7 +40,7 @@ from fault.workload import (
 )
 from toolguard.errors import BackendUnavailable
 
-__all__ = ["FaultRun", "spawn"]
+__all__ = ["LINK_FAULTS", "FaultRun", "break_link", "spawn", "timed"]
 
 log = logging.getLogger("toolguard.fault")
 spawn = multiprocessing.get_context("spawn")
@@ -295,3 +295,36 @@ def backend_setup(kind: str, request: Any, unique: str, tmp_path: Path, **option
         raise ValueError(kind)
     return Setup(lock_url=lock_url, store_url=postgres_url, prefix=prefix,
                  store_options={"schema": schema, "timeout_s": 3, "max_size": 6}, **options)
+
+
+#: How long each kind of broken link lasts: a cut heals after 1 s, a stall after three TTLs.
+LINK_FAULTS = {"cut": 1.0, "stalled": 1.5}
+
+
+def break_link(proxy: Any, fault: str) -> None:
+    """Cut or stall every connection through ``proxy`` for its ``LINK_FAULTS`` time, then heal."""
+    if fault == "cut":
+        assert proxy.cut() > 0  # requests in flight: their outcome is unknown to the agent
+    else:
+        proxy.stall()  # renewals and transactions hang; leases run out
+    time.sleep(LINK_FAULTS[fault])
+    proxy.heal()
+
+
+def timed(call: Any, limit_s: float) -> tuple[float | None, object]:
+    """Run ``call`` in a thread; (seconds it took, its result or error), or (None, None)
+    if it was still blocked after ``limit_s``."""
+    box: list[tuple[float, object]] = []
+    started = time.monotonic()
+
+    def run() -> None:
+        try:
+            outcome: object = call()
+        except Exception as error:  # the outcome is what we look at
+            outcome = error
+        box.append((time.monotonic() - started, outcome))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    return box[0] if box else (None, None)

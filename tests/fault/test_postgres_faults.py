@@ -7,7 +7,6 @@ lock backend: locks and store go down together).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 import toolguard.locks.postgres
 from fault.conftest import DurablePgServer
-from fault.harness import FaultRun
+from fault.harness import LINK_FAULTS, FaultRun, break_link, timed
 from fault.workload import AgentPlan, Setup
 from toolguard.errors import BackendUnavailable, LockTimeout
 from toolguard.locks import connect
@@ -55,44 +54,22 @@ def test_postgres_crashed_and_restarted(request: pytest.FixtureRequest, locks: s
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault", list(LINK_FAULTS))
 @pytest.mark.parametrize("locks", LOCKS)
-def test_postgres_connections_cut(request: pytest.FixtureRequest, locks: str,
-                                  durable_postgres: DurablePgServer, proxies, unique: str,
-                                  tmp_path: Path) -> None:
+def test_postgres_connections_broken(request: pytest.FixtureRequest, locks: str, fault: str,
+                                     durable_postgres: DurablePgServer, proxies, unique: str,
+                                     tmp_path: Path) -> None:
     proxy = proxies(durable_postgres.port)
     direct = pg_setup(request, locks, durable_postgres.url, unique)
     through = _via(durable_postgres.url, proxy.port)
     setup = replace(direct, store_url=through,
                     lock_url=through if locks == "pg-locks" else direct.lock_url)
-    with FaultRun(f"postgres ({locks}): connections cut", setup, tmp_path, direct=direct) as run:
-        run.start_threads(4)
-        run.warm_up()
-        run.fault_started()
-        assert proxy.cut() > 0  # commits in flight: their outcome is unknown to the agent
-        time.sleep(1.0)
-        proxy.heal()
-        run.healed()
-        run.finish()
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("locks", LOCKS)
-def test_postgres_connections_stalled(request: pytest.FixtureRequest, locks: str,
-                                      durable_postgres: DurablePgServer, proxies, unique: str,
-                                      tmp_path: Path) -> None:
-    proxy = proxies(durable_postgres.port)
-    direct = pg_setup(request, locks, durable_postgres.url, unique)
-    through = _via(durable_postgres.url, proxy.port)
-    setup = replace(direct, store_url=through,
-                    lock_url=through if locks == "pg-locks" else direct.lock_url)
-    with FaultRun(f"postgres ({locks}): connections stalled", setup, tmp_path,
+    with FaultRun(f"postgres ({locks}): connections {fault}", setup, tmp_path,
                   direct=direct) as run:
         run.start_threads(4)
         run.warm_up()
         run.fault_started()
-        proxy.stall()  # transactions hang holding their fence rows; leases run out
-        time.sleep(1.5)
-        proxy.heal()
+        break_link(proxy, fault)
         run.healed()
         run.finish()
 
@@ -148,25 +125,11 @@ def test_postgres_lock_calls_are_bounded_while_stalled(postgres_url: str, proxie
     try:
         lease = locks.acquire([f"tgf:{unique}:held"])
         proxy.stall()
-        started = time.monotonic()
-        thread = threading.Thread(target=lease.release, daemon=True)
-        thread.start()
-        thread.join(3.0)
-        assert not thread.is_alive(), (f"release still blocked after "
-                                       f"{time.monotonic() - started:.1f}s on a stalled link")
-        outcome: list[BaseException] = []
-
-        def acquire_new() -> None:
-            try:
-                locks.acquire([f"tgf:{unique}:new"], timeout_s=1).release()
-            except Exception as error:
-                outcome.append(error)
-
-        thread = threading.Thread(target=acquire_new, daemon=True)
-        thread.start()
-        thread.join(4.0)
-        assert not thread.is_alive(), "acquire ignored its deadline on a stalled link"
-        assert outcome and isinstance(outcome[0], BackendUnavailable | LockTimeout), outcome
+        took, _ = timed(lease.release, 3.0)
+        assert took is not None, "release hung on a stalled link"
+        took, outcome = timed(lambda: locks.acquire([f"tgf:{unique}:new"], timeout_s=1), 4.0)
+        assert took is not None, "acquire ignored its deadline on a stalled link"
+        assert isinstance(outcome, BackendUnavailable | LockTimeout), outcome
         proxy.heal()
         with locks.acquire([f"tgf:{unique}:new"], timeout_s=5) as again:  # and back to normal
             assert again.tokens

@@ -6,9 +6,7 @@ Agents take their locks from a private ``redis-server`` (directly, or through a
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import pytest
 from servers import RedisServer
 
 import toolguard.locks.redis
-from fault.harness import FaultRun
+from fault.harness import LINK_FAULTS, FaultRun, break_link, timed
 from fault.workload import Setup
 from toolguard.errors import BackendUnavailable, LockTimeout
 from toolguard.locks import connect
@@ -46,56 +44,20 @@ def test_redis_killed_and_restarted_empty(private_redis: RedisServer, postgres_u
 
 
 @pytest.mark.timeout(60)
-def test_redis_connections_cut(private_redis: RedisServer, proxies, postgres_url: str,
-                               pg_schema: str, unique: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", list(LINK_FAULTS))
+def test_redis_connections_broken(fault: str, private_redis: RedisServer, proxies,
+                                  postgres_url: str, pg_schema: str, unique: str,
+                                  tmp_path: Path) -> None:
     proxy = proxies(private_redis.port)
     direct = redis_setup(private_redis.url, postgres_url, pg_schema, unique)
     setup = replace(direct, lock_url=f"redis://127.0.0.1:{proxy.port}/0")
-    with FaultRun("redis: connections cut", setup, tmp_path, direct=direct) as run:
+    with FaultRun(f"redis: connections {fault}", setup, tmp_path, direct=direct) as run:
         run.start_threads(4)
         run.warm_up()
         run.fault_started()
-        assert proxy.cut() > 0
-        time.sleep(1.0)
-        proxy.heal()
+        break_link(proxy, fault)
         run.healed()
         run.finish()
-
-
-@pytest.mark.timeout(60)
-def test_redis_connections_stalled(private_redis: RedisServer, proxies, postgres_url: str,
-                                   pg_schema: str, unique: str, tmp_path: Path) -> None:
-    proxy = proxies(private_redis.port)
-    direct = redis_setup(private_redis.url, postgres_url, pg_schema, unique)
-    setup = replace(direct, lock_url=f"redis://127.0.0.1:{proxy.port}/0")
-    with FaultRun("redis: connections stalled", setup, tmp_path, direct=direct) as run:
-        run.start_threads(4)
-        run.warm_up()
-        run.fault_started()
-        proxy.stall()
-        time.sleep(1.5)  # three TTLs: renewals hang, every lease runs out
-        proxy.heal()
-        run.healed()
-        run.finish()
-
-
-def _timed(call: Callable[[], object], limit_s: float) -> tuple[float | None, object]:
-    """Run ``call`` in a thread; (seconds it took, its result or error), or (None, None)
-    if it was still blocked after ``limit_s``."""
-    box: list[tuple[float, object]] = []
-    started = time.monotonic()
-
-    def run() -> None:
-        try:
-            outcome: object = call()
-        except Exception as error:  # the outcome is what we look at
-            outcome = error
-        box.append((time.monotonic() - started, outcome))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit_s)
-    return box[0] if box else (None, None)
 
 
 @pytest.mark.timeout(60)
@@ -112,9 +74,9 @@ def test_redis_calls_are_bounded_while_stalled(private_redis: RedisServer, proxi
     try:
         lease = locks.acquire([f"{unique}:held"])
         proxy.stall()
-        took, _ = _timed(lease.release, 3.0)
+        took, _ = timed(lease.release, 3.0)
         assert took is not None, "release hung on a stalled link"
-        took, outcome = _timed(lambda: locks.acquire([f"{unique}:new"], timeout_s=1), 4.0)
+        took, outcome = timed(lambda: locks.acquire([f"{unique}:new"], timeout_s=1), 4.0)
         assert took is not None, "acquire ignored its deadline on a stalled link"
         assert isinstance(outcome, BackendUnavailable | LockTimeout), outcome
         assert lease.lost or lease.released
