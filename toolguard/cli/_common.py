@@ -6,15 +6,23 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
 
 from toolguard.errors import BackendUnavailable, ConfigurationError, PolicyError, ToolGuardError
+from toolguard.store.cli import (
+    SchemaOption,
+    TimeoutOption,
+    UrlOption,
+    open_cli_store,
+    resolve_store_url,
+)
+from toolguard.store.postgres import redact
 
 if TYPE_CHECKING:
-    from toolguard.store import GuardedStore
+    pass
 
 __all__ = [
     "EXIT_CODES_HELP",
@@ -49,26 +57,9 @@ Exit codes:
   3  a backend (lock server or store) cannot be reached
   4  the backend refused (permissions, a broken schema)"""
 
-UrlOption = Annotated[str | None, typer.Option(
-    "--url", metavar="URL",
-    help="Store URL (postgresql://... or sqlite:///...). Default: TOOLGUARD_DATABASE_URL, else the "
-         "embedded SQLite file (./.toolguard/store.db).", show_default=False)]
-SchemaOption = Annotated[str | None, typer.Option(
-    "--schema", metavar="SCHEMA",
-    help="PostgreSQL schema holding toolguard's tables. Default: the search_path.",
-    show_default=False)]
-TimeoutOption = Annotated[float, typer.Option(
-    "--timeout", min=0.1, metavar="SECONDS", help="Seconds to wait for a server before giving up (exit 3).")]
-
-
 def console(stderr: bool = False) -> Console:
     """A console that never wraps machine-readable text and never highlights numbers."""
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -97,28 +88,6 @@ def failures(where: str = "") -> Iterator[None]:
         fail(f"{prefix}{error}", EXIT_USAGE)
     except Exception as error:  # a driver error we do not map: still no traceback
         fail(f"{prefix}{type(error).__name__}: {str(error).strip()}", EXIT_REFUSED)
-
-
-def resolve_store_url(url: str | None) -> str:
-    if url:
-        return url
-    from toolguard.config import Settings
-
-    return Settings().resolved_store_url()
-
-
-def open_cli_store(url: str, schema: str | None = None, timeout: float = 5.0,
-                   *, install: bool = False) -> GuardedStore:
-    """A store for one short command: a small PostgreSQL pool that fails fast."""
-    from toolguard.store import open_store
-
-    options: dict[str, Any] = {}
-    if url.startswith(("postgresql:", "postgres:")):
-        options = {"schema": schema, "timeout_s": timeout, "min_size": 0, "max_size": 2}
-    elif schema:
-        msg = "--schema only applies to PostgreSQL"
-        raise ConfigurationError(msg)
-    return open_store(url, install=install, **options)
 
 
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day|days|w|wk)\s*(?:ago)?\s*$",

@@ -36,16 +36,20 @@ db_app = typer.Typer(help="The guarded store's schema: install, upgrade, inspect
                      no_args_is_help=True)
 
 UrlOption = Annotated[str | None, typer.Option(
-    "--url", help="Store URL (postgresql://... or sqlite:///...). Default: TOOLGUARD_DATABASE_URL, "
-                  "else the embedded SQLite file.", show_default=False)]
+    "--url", metavar="URL",
+    help="Store URL (postgresql://... or sqlite:///...). Default: TOOLGUARD_DATABASE_URL, else the "
+         "embedded SQLite file (./.toolguard/store.db).", show_default=False)]
 SchemaOption = Annotated[str | None, typer.Option(
-    "--schema", help="PostgreSQL schema to use (created by init). Default: the search_path.",
+    "--schema", metavar="SCHEMA",
+    help="PostgreSQL schema holding toolguard's tables (created by init). Default: the search_path.",
     show_default=False)]
 TimeoutOption = Annotated[float, typer.Option(
-    "--timeout", min=0.1, help="Seconds to wait for a database connection.")]
+    "--timeout", min=0.1, metavar="SECONDS",
+    help="Seconds to wait for a server before giving up (exit 3).")]
 
 
-def _resolve(url: str | None) -> str:
+def resolve_store_url(url: str | None) -> str:
+    """``url``, else ``TOOLGUARD_DATABASE_URL``, else the embedded SQLite file."""
     if url:
         return url
     from toolguard.config import Settings
@@ -79,7 +83,9 @@ def _failures(url: str) -> Iterator[None]:
         raise typer.Exit(EXIT_REFUSED) from None
 
 
-def _open(url: str, schema: str | None, timeout: float) -> GuardedStore:
+def open_cli_store(url: str, schema: str | None = None, timeout: float = 5.0,
+                   *, install: bool = False) -> GuardedStore:
+    """A store for one short command: a small PostgreSQL pool that fails fast, quietly."""
     from toolguard.store import open_store
 
     # The pool logs every failed connection attempt; the command reports the failure itself.
@@ -87,11 +93,11 @@ def _open(url: str, schema: str | None, timeout: float) -> GuardedStore:
 
     options: dict[str, object] = {}
     if url.startswith(("postgresql:", "postgres:")):
-        options = {"schema": schema, "timeout_s": timeout, "min_size": 0, "max_size": 1}
+        options = {"schema": schema, "timeout_s": timeout, "min_size": 0, "max_size": 2}
     elif schema:
         msg = "--schema only applies to PostgreSQL"
         raise ConfigurationError(msg)
-    return open_store(url, **options)
+    return open_store(url, install=install, **options)
 
 
 def _missing_sqlite_file(url: str, schema: str | None) -> bool:
@@ -106,9 +112,9 @@ def _missing_sqlite_file(url: str, schema: str | None) -> bool:
 @db_app.command("init")
 def init(url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 10.0) -> None:
     """Install the schema, or upgrade it to this toolguard's version. Safe to repeat."""
-    target = _resolve(url)
+    target = resolve_store_url(url)
     with _failures(target):
-        store = _open(target, schema, timeout)
+        store = open_cli_store(target, schema, timeout)
         try:
             before = store.schema_version()
             after = store.install()
@@ -127,9 +133,9 @@ def status(url: UrlOption = None, schema: SchemaOption = None,
     """Show the installed schema version; exit 1 if it is missing or behind."""
     from toolguard.store import latest_version
 
-    target = _resolve(url)
+    target = resolve_store_url(url)
     with _failures(target):
-        store = None if _missing_sqlite_file(target, schema) else _open(target, schema, timeout)
+        store = None if _missing_sqlite_file(target, schema) else open_cli_store(target, schema, timeout)
         try:
             installed = store.schema_version() if store is not None else 0
         finally:
