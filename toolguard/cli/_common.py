@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -20,9 +20,6 @@ from toolguard.store.cli import (
     resolve_store_url,
 )
 from toolguard.store.postgres import redact
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "EXIT_CODES_HELP",
