@@ -127,6 +127,15 @@ async def areseed(locks: AsyncLockManager, store: AsyncGuardedStore,
     return floors
 
 
+def _reseed_and_retry(attempt: int, enabled: bool, lease: Lease, stale: StaleFencingToken) -> bool:
+    """Pure: a first attempt refused under a lease still held means the lock server regressed."""
+    if attempt > 1 or not enabled or not lock_regressed(lease, stale):
+        return False
+    log.warning("lock server issued %s for %s below the store's %s: re-seeding",
+                stale.token, stale.key, stale.current)
+    return True
+
+
 def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str],
                body: Callable[[FencedTransaction], T], *, intent: IntentRecord | None = None,
                ttl_ms: int | None = None, timeout_s: float | None = None,
@@ -161,10 +170,8 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
         except StaleFencingToken as stale:
-            if attempt > 1 or not reseed_on_regression or not lock_regressed(lease, stale):
+            if not _reseed_and_retry(attempt, reseed_on_regression, lease, stale):
                 raise
-            log.warning("lock server issued %s for %s below the store's %s: re-seeding",
-                        stale.token, stale.key, stale.current)
             reseed(locks, store, ordered)
         finally:
             with contextlib.suppress(Exception):
@@ -193,10 +200,8 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
         except StaleFencingToken as stale:
-            if attempt > 1 or not reseed_on_regression or not lock_regressed(lease, stale):
+            if not _reseed_and_retry(attempt, reseed_on_regression, lease, stale):
                 raise
-            log.warning("lock server issued %s for %s below the store's %s: re-seeding",
-                        stale.token, stale.key, stale.current)
             await areseed(locks, store, ordered)
         finally:
             with contextlib.suppress(Exception):
