@@ -9,52 +9,8 @@ from langchain_core.messages import ToolMessage
 from langgraph.types import Command
 
 from toolguard.guard import Decision, ToolFailed
-from toolguard.intent import Intent, WorkflowIdentity
 
-__all__ = ["error_message", "intent_from_call", "recordable", "replayed_message"]
-
-
-def intent_from_call(call: Any, *, agent: str | None, runtime: Any = None,
-                     config: Any = None) -> Intent:
-    """An ``Intent`` from a tool call plus whatever identity LangGraph exposes.
-
-    Without a checkpointer LangGraph gives neither a thread nor a run id (unless
-    the caller put ``run_id`` in the config). The superstep's checkpoint id then
-    stands in for the run: it is the same on every ``RetryPolicy`` re-run of the
-    node and new for every invocation, so a retried call still finds its
-    idempotency record.
-    """
-    configurable = dict((config or {}).get("configurable") or {})
-    info = getattr(runtime, "execution_info", None)
-    if info is None:  # a tool invoked by ToolNode gets only the config; the runtime rides in it
-        info = getattr(configurable.get("__pregel_runtime"), "execution_info", None)
-    thread_id = _text(getattr(info, "thread_id", None) or configurable.get("thread_id"))
-    run_id = _text(getattr(info, "run_id", None) or (config or {}).get("run_id"))
-    checkpoint_id = _text(getattr(info, "checkpoint_id", None))
-    if thread_id is None and run_id is None and checkpoint_id:
-        run_id = f"step:{checkpoint_id}"
-    workflow = WorkflowIdentity(
-        thread_id=thread_id,
-        checkpoint_ns=_text(getattr(info, "checkpoint_ns", None)
-                            or configurable.get("checkpoint_ns")) or "",
-        checkpoint_id=checkpoint_id,
-        run_id=run_id,
-    )
-    attempt = getattr(info, "node_attempt", 1) or 1
-    return Intent(tool=str(call.get("name") or ""), args=call.get("args", {}),
-                  call_id=_text(call.get("id")), agent=agent, workflow=workflow,
-                  node_attempt=_attempt(attempt))
-
-
-def _attempt(value: Any) -> int:
-    try:
-        return max(int(value), 0)
-    except (TypeError, ValueError):
-        return 1
-
-
-def _text(value: Any) -> str | None:
-    return None if value is None else str(value)
+__all__ = ["error_message", "recordable", "replayed_message"]
 
 
 def recordable(output: Any) -> Any:

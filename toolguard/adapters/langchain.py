@@ -9,12 +9,8 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
 from pydantic import ConfigDict
 
-from toolguard.adapters._messages import (
-    error_message,
-    intent_from_call,
-    recordable,
-    replayed_message,
-)
+from toolguard.adapters._messages import error_message, recordable, replayed_message
+from toolguard.adapters.identity import intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
 

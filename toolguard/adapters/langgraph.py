@@ -17,12 +17,8 @@ from langchain_core.messages import ToolMessage
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
-from toolguard.adapters._messages import (
-    error_message,
-    intent_from_call,
-    recordable,
-    replayed_message,
-)
+from toolguard.adapters._messages import error_message, recordable, replayed_message
+from toolguard.adapters.identity import agent_from_metadata, intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
 
@@ -30,14 +26,6 @@ __all__ = ["AgentResolver", "GuardedToolCalls", "ToolGuardMiddleware", "agent_fr
 
 Output = ToolMessage | Command
 AgentResolver = Callable[[ToolCallRequest], str | None]
-
-
-def agent_from_metadata(request: ToolCallRequest) -> str | None:
-    """``toolguard_agent`` from the run's metadata, else the graph node's name."""
-    config = getattr(request.runtime, "config", None) or {}
-    metadata = config.get("metadata") or {}
-    agent = metadata.get("toolguard_agent") or metadata.get("langgraph_node")
-    return None if agent is None else str(agent)
 
 
 class GuardedToolCalls:
