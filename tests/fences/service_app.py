@@ -127,20 +127,20 @@ def create_mcp_app() -> Any:
     mcp = FastMCP("crm", middleware=[FenceToolMiddleware(store=store)])
 
     @mcp.tool
-    async def set_score(lead: str, score: int, sleep: float = 0) -> dict:
+    async def set_score(lead_id: str, score: int, sleep: float = 0) -> dict:
         """Set a lead's score; returns the old one."""
         tx = current_fence().tx
         row = await (await tx.execute("SELECT score, writes FROM leads WHERE id = %s",
-                                      (lead,))).fetchone()
+                                      (lead_id,))).fetchone()
         if sleep:
             await asyncio.sleep(sleep)
-        await tx.execute(UPSERT, (lead, score))
-        return {"lead": lead, "old": row[0] if row else None, "writes": (row[1] if row else 0) + 1}
+        await tx.execute(UPSERT, (lead_id, score))
+        return {"lead": lead_id, "old": row[0] if row else None, "writes": (row[1] if row else 0) + 1}
 
     @mcp.tool
-    async def fail_after_write(lead: str) -> str:
+    async def fail_after_write(lead_id: str) -> str:
         """Writes, then fails: the write must be rolled back."""
-        await current_fence().tx.execute(UPSERT, (lead, -1))
+        await current_fence().tx.execute(UPSERT, (lead_id, -1))
         raise ValueError("the CRM refused")
 
     return mcp.http_app(path="/mcp")
