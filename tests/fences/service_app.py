@@ -1,0 +1,146 @@
+"""The fenced services the tests start: a Starlette REST app and a FastMCP server on one store.
+
+Started by ``uvicorn --factory fences.service_app:create_app`` (or ``create_mcp_app``)
+in a process of its own, configured by environment variables:
+``FENCES_STORE_URL`` (the service's store), ``FENCES_SCHEMA`` (a PostgreSQL schema).
+The handlers read and write ``leads`` only through the fenced transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+
+from toolguard.fences.asgi import FenceMiddleware, fence_of
+from toolguard.store import open_async_store, open_store
+
+LEADS = ("CREATE TABLE IF NOT EXISTS leads (id TEXT PRIMARY KEY, score BIGINT NOT NULL, "
+         "writes BIGINT NOT NULL)")
+UPSERT = ("INSERT INTO leads (id, score, writes) VALUES (%s, %s, 1) ON CONFLICT (id) "
+          "DO UPDATE SET score = excluded.score, writes = leads.writes + 1")
+
+
+def _options() -> tuple[str, dict[str, Any]]:
+    url = os.environ["FENCES_STORE_URL"]
+    schema = os.environ.get("FENCES_SCHEMA")
+    return url, ({"schema": schema} if schema and url.startswith("postgres") else {})
+
+
+def prepare() -> None:
+    """Install the store and the service's own table (synchronously, before serving)."""
+    url, options = _options()
+    with open_store(url, install=True, **options) as store, store.connection() as conn:
+        conn.execute(LEADS)
+
+
+async def set_score(request: Request) -> JSONResponse:
+    tx = fence_of(request).tx
+    lead = request.path_params["lead"]
+    body = await request.json()
+    delay = float(body.get("sleep", 0))
+    row = await (await tx.execute("SELECT score, writes FROM leads WHERE id = %s", (lead,))).fetchone()
+    if delay:
+        await asyncio.sleep(delay)
+    await tx.execute(UPSERT, (lead, int(body["score"])))
+    return JSONResponse({"lead": lead, "old": row[0] if row else None, "score": body["score"],
+                         "writes": (row[1] if row else 0) + 1}, status_code=201)
+
+
+async def add_score(request: Request) -> JSONResponse:
+    """Read-modify-write: the read happens inside the fence, so no update is ever lost."""
+    tx = fence_of(request).tx
+    lead = request.path_params["lead"]
+    delta = int((await request.json())["delta"])
+    row = await (await tx.execute("SELECT score FROM leads WHERE id = %s", (lead,))).fetchone()
+    score = (row[0] if row else 0) + delta
+    await tx.execute(UPSERT, (lead, score))
+    return JSONResponse({"lead": lead, "score": score})
+
+
+async def broken(request: Request) -> JSONResponse:
+    """Writes, then answers 404: the write must be rolled back."""
+    await fence_of(request).tx.execute(UPSERT, (request.path_params["lead"], -1))
+    return JSONResponse({"error": "no such thing"}, status_code=404)
+
+
+async def read_lead(request: Request) -> JSONResponse:
+    tx = fence_of(request).tx
+    row = await (await tx.execute("SELECT score, writes FROM leads WHERE id = %s",
+                                  (request.path_params["lead"],))).fetchone()
+    return JSONResponse({"score": row[0] if row else None, "writes": row[1] if row else 0})
+
+
+async def noop(request: Request) -> PlainTextResponse:
+    return PlainTextResponse("ok")
+
+
+async def write_one(request: Request) -> PlainTextResponse:
+    await fence_of(request).tx.execute(UPSERT, ("bench", 1))
+    return PlainTextResponse("ok")
+
+
+async def health(request: Request) -> PlainTextResponse:
+    return PlainTextResponse("up")
+
+
+def create_app() -> Starlette:
+    prepare()
+    url, options = _options()
+    store = open_async_store(url, **options)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await store.close()
+
+    routes = [Route("/leads/{lead}/score", set_score, methods=["POST"]),
+              Route("/leads/{lead}/add", add_score, methods=["POST"]),
+              Route("/leads/{lead}/broken", broken, methods=["POST"]),
+              Route("/leads/{lead}", read_lead, methods=["GET"]),
+              Route("/noop", noop, methods=["POST"]),
+              Route("/write", write_one, methods=["POST"]),
+              Route("/health", health, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(FenceMiddleware, store=store,
+                                            require=lambda scope: scope["path"] != "/health")])
+
+
+def create_mcp_app() -> Any:
+    """A FastMCP server over streamable HTTP at /mcp, fenced by ``FenceToolMiddleware``."""
+    from fastmcp import FastMCP
+
+    from toolguard.fences.gate import current_fence
+    from toolguard.fences.mcp_server import FenceToolMiddleware
+
+    prepare()
+    url, options = _options()
+    store = open_async_store(url, **options)
+    mcp = FastMCP("crm", middleware=[FenceToolMiddleware(store=store)])
+
+    @mcp.tool
+    async def set_score(lead_id: str, score: int, sleep: float = 0) -> dict:
+        """Set a lead's score; returns the old one."""
+        tx = current_fence().tx
+        row = await (await tx.execute("SELECT score, writes FROM leads WHERE id = %s",
+                                      (lead_id,))).fetchone()
+        if sleep:
+            await asyncio.sleep(sleep)
+        await tx.execute(UPSERT, (lead_id, score))
+        return {"lead": lead_id, "old": row[0] if row else None, "writes": (row[1] if row else 0) + 1}
+
+    @mcp.tool
+    async def fail_after_write(lead_id: str) -> str:
+        """Writes, then fails: the write must be rolled back."""
+        await current_fence().tx.execute(UPSERT, (lead_id, -1))
+        raise ValueError("the CRM refused")
+
+    return mcp.http_app(path="/mcp")

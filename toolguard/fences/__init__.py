@@ -1,0 +1,78 @@
+"""Fences that travel: REST services and MCP servers check toolguard's fencing tokens themselves.
+
+Client side, inside a guarded tool:
+
+* ``FencedClient`` / ``AsyncFencedClient`` (httpx, extra ``http``): every request
+  carries the lease's fences, the agent and the intent id; unsafe methods an
+  idempotency key.
+* ``FencedSession`` / ``guarded_mcp_tools`` (extra ``mcp``): MCP ``tools/call``
+  carries the same in ``_meta``.
+
+Server side, in the service that owns the data:
+
+* ``FenceMiddleware`` (ASGI: Starlette, FastAPI, any ASGI app; extra ``asgi``
+  only for Starlette's request objects) and ``FenceToolMiddleware`` (FastMCP,
+  extra ``mcp``) check and advance the fences in the service's own store, in
+  the same transaction as the handler's writes (``fence_of(request).tx`` /
+  ``current_fence().tx``), replay recorded answers and audit every decision.
+
+The wire format is in ``toolguard.fences.wire``; the refusals and their codes
+in ``toolguard.fences.problems``. Nothing here needs LangGraph, and each name
+imports its third-party library only when it is first used.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__all__ = [
+    "AsyncFencedClient",
+    "FenceGate",
+    "FenceMiddleware",
+    "FenceToolMiddleware",
+    "FencedClient",
+    "FencedSession",
+    "Fences",
+    "FencesRequired",
+    "InFlight",
+    "LocalInFlight",
+    "PostgresInFlight",
+    "Problem",
+    "ServiceFence",
+    "WireError",
+    "current_fence",
+    "fence_of",
+    "guarded_mcp_tools",
+    "outgoing_fences",
+]
+
+_WHERE = {
+    "AsyncFencedClient": "http_client",
+    "FencedClient": "http_client",
+    "FenceGate": "gate",
+    "ServiceFence": "gate",
+    "current_fence": "gate",
+    "FenceMiddleware": "asgi",
+    "fence_of": "asgi",
+    "FenceToolMiddleware": "mcp_server",
+    "FencedSession": "mcp_client",
+    "guarded_mcp_tools": "mcp_client",
+    "Fences": "wire",
+    "WireError": "wire",
+    "FencesRequired": "problems",
+    "InFlight": "problems",
+    "Problem": "problems",
+    "LocalInFlight": "inflight",
+    "PostgresInFlight": "inflight",
+    "outgoing_fences": "outgoing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load each part (and its library: httpx, fastmcp...) only when it is asked for."""
+    module = _WHERE.get(name)
+    if module is None:
+        msg = f"module 'toolguard.fences' has no attribute {name!r}"
+        raise AttributeError(msg)
+    return getattr(import_module(f"toolguard.fences.{module}"), name)

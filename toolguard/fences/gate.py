@@ -1,0 +1,210 @@
+"""The service side of a fenced request, shared by the ASGI and the FastMCP middleware.
+
+``FenceGate.run`` takes the fences a request carried and the handler that
+serves it, and answers with one of four outcomes; the middleware turns the
+outcome into its protocol's response, and nothing here knows HTTP or MCP:
+
+* ``Applied``: the fences were checked and advanced, the handler ran in the
+  same transaction, its answer was recorded under the idempotency key and
+  everything committed together.
+* ``Replayed``: the key was applied before; the recorded answer comes back and
+  the handler does not run.
+* ``Declined``: the handler answered with a failure (an HTTP status >= 400, an
+  MCP error result): its writes were rolled back, and the answer goes out as is.
+* ``Refused``: a ``Problem`` (stale token, key in flight, key reused for
+  another request, malformed or missing fences, store down).
+
+Every outcome leaves exactly one audit row in the service's store: the store
+writes it for what happens inside ``fenced()``, ``refuse`` for what is decided
+before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from toolguard.errors import DuplicateIntent, ToolGuardError
+from toolguard.fences.inflight import InFlightRegistry, default_registry
+from toolguard.fences.problems import InFlight, Problem, problem_from_error
+from toolguard.fences.wire import Fences
+from toolguard.store import AsyncFencedTransaction, AsyncGuardedStore, AuditEntry, IntentRecord
+
+__all__ = [
+    "Answer",
+    "Applied",
+    "Declined",
+    "FenceGate",
+    "Outcome",
+    "Refused",
+    "Replayed",
+    "ServiceFence",
+    "current_fence",
+]
+
+log = logging.getLogger("toolguard.fences")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceFence:
+    """What a fenced handler gets: the open transaction and what the request carried.
+
+    Run the handler's reads and writes through ``tx`` (``await tx.execute(...)``):
+    the fences were checked and advanced in this transaction, so a holder with
+    an older token is refused before it reads anything.
+    """
+
+    tx: AsyncFencedTransaction
+    fences: Fences
+    tool: str
+
+    @property
+    def tokens(self) -> Mapping[str, int]:
+        return self.fences.tokens
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(sorted(self.fences.tokens))
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return self.fences.idempotency_key
+
+    @property
+    def agent(self) -> str | None:
+        return self.fences.agent
+
+    @property
+    def intent_id(self) -> str | None:
+        return self.fences.intent_id
+
+
+_current: ContextVar[ServiceFence | None] = ContextVar("toolguard_service_fence", default=None)
+
+
+def current_fence() -> ServiceFence:
+    """The fence of the request this handler or MCP tool serves."""
+    fence = _current.get()
+    if fence is None:
+        msg = ("no fenced request is being served here (mount FenceMiddleware / add "
+               "FenceToolMiddleware, and send the request with fences)")
+        raise ToolGuardError(msg, reason="no_fence")
+    return fence
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a handler produced: ``value`` to send now, ``record`` (JSON) for replays.
+
+    ``commit=False`` rolls the handler's writes back (it refused the request).
+    """
+
+    value: Any
+    record: Any = None
+    commit: bool = True
+    detail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    record: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    problem: Problem
+
+
+Outcome = Applied | Replayed | Declined | Refused
+Handler = Callable[[ServiceFence], Awaitable[Answer]]
+
+
+class _Declined(ToolGuardError):
+    """Raised inside ``fenced()`` to roll back a handler's failed answer (audited as failed)."""
+
+    reason = "declined"
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(answer.detail or "the handler answered with a failure; rolled back")
+        self.answer = answer
+
+
+class FenceGate:
+    """Checks a request's fences against the service's store and runs its handler inside them."""
+
+    def __init__(self, store: AsyncGuardedStore, *,
+                 inflight: InFlightRegistry | None = None) -> None:
+        self.store = store
+        self.inflight = inflight if inflight is not None else default_registry(store)
+
+    async def run(self, fences: Fences, *, tool: str, digest: str, handler: Handler) -> Outcome:
+        """Fence, dedupe and run ``handler`` in one transaction (see the module docstring)."""
+        key = fences.idempotency_key
+        if key is None:
+            return await self._fenced(fences, tool, digest, handler)
+        async with self.inflight.hold(key) as held:
+            if not held:
+                msg = f"a request with idempotency key {key!r} is still in flight; retry later"
+                return await self.refuse(InFlight(msg, idempotency_key=key), tool=tool,
+                                         fences=fences)
+            return await self._fenced(fences, tool, digest, handler)
+
+    async def _fenced(self, fences: Fences, tool: str, digest: str,
+                      handler: Handler) -> Outcome:
+        key = fences.idempotency_key
+        record = IntentRecord(tool=tool, idempotency_key=key, args_hash=digest if key else None,
+                              agent=fences.agent, intent_id=fences.intent_id,
+                              keys=tuple(sorted(fences.tokens)))
+        answer: Answer | None = None
+        try:
+            async with self.store.fenced(fences.tokens, record) as tx:
+                fence = ServiceFence(tx, fences, tool)
+                bound = _current.set(fence)
+                try:
+                    answer = await handler(fence)
+                finally:
+                    _current.reset(bound)
+                if not answer.commit:
+                    raise _Declined(answer)
+                tx.detail = answer.detail
+                tx.record(answer.record)
+        except _Declined as declined:
+            return Declined(declined.answer.value)
+        except DuplicateIntent as duplicate:
+            return Replayed(duplicate.result)
+        except ToolGuardError as error:  # stale, conflict, store down: audited by the store
+            problem = problem_from_error(error)
+            if key is not None and problem.reason == "idempotency_conflict":
+                problem = Problem(problem.reason, problem.detail, {"idempotency_key": key})
+            return Refused(problem)
+        assert answer is not None
+        return Applied(answer.value)
+
+    async def refuse(self, error: ToolGuardError, *, tool: str | None,
+                     fences: Fences | None = None) -> Refused:
+        """Audit a refusal decided before the fenced transaction, and return its problem."""
+        problem = problem_from_error(error)
+        fences = fences or Fences()
+        entry = AuditEntry(decision="rejected", reason=problem.reason, tool=tool,
+                           agent=fences.agent, intent_id=fences.intent_id,
+                           idempotency_key=fences.idempotency_key,
+                           keys=tuple(sorted(fences.tokens)), tokens=fences.tokens,
+                           detail=problem.detail[:2000], duration_ms=0.0)
+        try:
+            await self.store.audit(entry)
+        except Exception as audit_error:  # the store may be what is down; the refusal stands
+            log.warning("could not audit a refused request (%s): %s", problem.reason, audit_error)
+        return Refused(problem)

@@ -1,0 +1,97 @@
+"""httpx clients that send the current lease's fences with every request.
+
+>>> from toolguard.fences import FencedClient
+>>> http = FencedClient(base_url="https://crm.internal")
+>>> @guarded(guard, agent="intent_scorer")
+... def update_lead_score(lead_id: str, score: int) -> dict:
+...     return http.post(f"/leads/{lead_id}/score", json={"score": score}).json()
+
+Inside a guarded tool, every request gets ``Fencing-Token`` (each lock key of
+the lease and its token), ``Toolguard-Agent`` and ``Toolguard-Intent``; an
+unsafe method also gets ``Idempotency-Key`` (numbered per call, see
+``toolguard.fences.outgoing``), unless the request sets one itself. A request
+sent after the lease was lost raises ``LockLost`` before it leaves. A refusal
+by a fenced service (an RFC 9457 problem naming a toolguard reason) raises the
+typed error (``StaleFencingToken``, ``IdempotencyConflict``, ``InFlight``...), so
+the guard audits the call as refused, not as applied; pass
+``raise_refusals=False`` to get the response instead. Outside a guarded call a
+request raises ``ToolGuardError`` (``no_context``): a fenced client never sends
+unfenced.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from toolguard.fences.outgoing import outgoing_fences
+from toolguard.fences.problems import CONTENT_TYPE, error_from_problem
+from toolguard.fences.wire import IDEMPOTENCY_KEY_HEADER, SAFE_METHODS
+
+__all__ = ["AsyncFencedClient", "FencedClient", "fence_request", "raise_for_refusal"]
+
+
+def fence_request(request: httpx.Request) -> httpx.Request:
+    """Add the current call's fence headers to ``request`` (in place); returns it."""
+    own_key = IDEMPOTENCY_KEY_HEADER in request.headers
+    unsafe = request.method.upper() not in SAFE_METHODS
+    fences = outgoing_fences(idempotent=unsafe and not own_key)
+    for name, value in fences.headers().items():
+        if name == IDEMPOTENCY_KEY_HEADER and own_key:
+            continue
+        request.headers[name] = value
+    return request
+
+
+def _problem(response: httpx.Response) -> dict[str, Any] | None:
+    if response.status_code < 400:
+        return None
+    if response.headers.get("content-type", "").split(";")[0].strip() != CONTENT_TYPE:
+        return None
+    try:
+        body = json.loads(response.content)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def raise_for_refusal(response: httpx.Response) -> httpx.Response:
+    """Raise the typed toolguard error if ``response`` is a fenced service's refusal."""
+    body = _problem(response)
+    if body is not None:
+        error = error_from_problem(body)
+        if error is not None:
+            raise error
+    return response
+
+
+class FencedClient(httpx.Client):
+    """An ``httpx.Client`` whose requests carry the running guarded call's fences."""
+
+    def __init__(self, *args: Any, raise_refusals: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.raise_refusals = raise_refusals
+
+    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        response = super().send(fence_request(request), **kwargs)
+        if self.raise_refusals and response.status_code >= 400:
+            response.read()
+            raise_for_refusal(response)
+        return response
+
+
+class AsyncFencedClient(httpx.AsyncClient):
+    """The asyncio twin of ``FencedClient``."""
+
+    def __init__(self, *args: Any, raise_refusals: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.raise_refusals = raise_refusals
+
+    async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        response = await super().send(fence_request(request), **kwargs)
+        if self.raise_refusals and response.status_code >= 400:
+            await response.aread()
+            raise_for_refusal(response)
+        return response
