@@ -6,9 +6,8 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
-from toolguard.context import CallContext, current
+from toolguard.adapters.functions import guarded  # plain functions: no LangChain needed
+from toolguard.context import CallContext, current, current_or_none
 from toolguard.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -26,27 +25,15 @@ from toolguard.errors import (
     ToolGuardError,
     UnknownTool,
 )
-from toolguard.guard import Decision, ToolGuard
+from toolguard.guard import Decision, ToolFailed, ToolGuard
 from toolguard.intent import Intent, WorkflowIdentity
 from toolguard.locks import connect, connect_async
 from toolguard.policies import Policy, ToolPolicy, load_policy
 from toolguard.store import open_async_store, open_store
 
-try:
-    __version__ = version("toolguard")
-except PackageNotFoundError:  # running from a source tree without install
-    __version__ = "0.0.0"
-
-
-def __getattr__(name: str) -> object:
-    """``guarded`` loads the adapters (and LangChain) only when asked for."""
-    if name == "guarded":
-        from toolguard.adapters.functions import guarded
-
-        return guarded
-    msg = f"module 'toolguard' has no attribute {name!r}"
-    raise AttributeError(msg)
-
+#: The one place the version is written (pyproject.toml reads it from here); no
+#: ``importlib.metadata`` lookup at import time.
+__version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable",
@@ -66,6 +53,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "StaleFencingToken",
+    "ToolFailed",
     "ToolGuard",
     "ToolGuardError",
     "ToolPolicy",
@@ -75,6 +63,7 @@ __all__ = [
     "connect",
     "connect_async",
     "current",
+    "current_or_none",
     "guarded",
     "load_policy",
     "open_async_store",
