@@ -15,6 +15,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from toolguard.errors import (
     BackendUnavailable,
@@ -87,7 +88,7 @@ def console(stderr: bool = False) -> Console:
 
 def fail(message: str, code: int) -> NoReturn:
     """One line on stderr, then exit with ``code``; never a traceback."""
-    console(stderr=True).print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -102,7 +103,8 @@ def failures(where: str = "") -> Iterator[None]:
     except PolicyProblems as error:  # every problem, one line each, so all are fixed at once
         err = console(stderr=True)
         for problem in error.problems:
-            err.print(f"[bold red]error:[/] {prefix}{problem}", markup=True, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(f'{prefix}{problem}')}", markup=True,
+                      soft_wrap=True)
         raise typer.Exit(EXIT_USAGE) from None
     except (ConfigurationError, PolicyError) as error:
         fail(f"{prefix}{error}", EXIT_USAGE)
