@@ -117,3 +117,18 @@ def test_pyproject_extras_match_the_code() -> None:
         for requirement in extras[extra]:
             name = requirement.split("[")[0].split(">")[0].split("<")[0].strip().lower()
             assert name not in core, f"{name} is an extra ({extra}) but also a core dependency"
+
+
+def test_names_and_submodules_resolve_lazily(tmp_path: Path) -> None:
+    result = run_without_extras("""
+        import toolguard
+        assert toolguard.locks.connect is toolguard.connect      # a submodule as an attribute
+        from toolguard import *                                   # every name in __all__
+        assert ToolFailed.__module__ == "toolguard.guard" and callable(current_or_none)
+        try:
+            toolguard.nothing_here
+        except AttributeError as error:
+            print(error)
+    """, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "has no attribute 'nothing_here'" in result.stdout

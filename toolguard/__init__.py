@@ -61,13 +61,20 @@ _LAZY = {
 }
 
 
+#: Submodules reachable as attributes (``toolguard.locks.connect``) without importing them first.
+_SUBMODULES = frozenset({"adapters", "config", "context", "errors", "extras", "guard", "intent",
+                         "locks", "policies", "store"})
+
+
 def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"toolguard.{name}")
     module_name = _LAZY.get(name)
     if module_name is None:
         msg = f"module 'toolguard' has no attribute {name!r}"
         raise AttributeError(msg)
-    import importlib
-
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value  # once loaded, a plain attribute
     return value
