@@ -6,9 +6,8 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
-from toolguard.context import CallContext, current
 from toolguard.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -26,26 +25,63 @@ from toolguard.errors import (
     ToolGuardError,
     UnknownTool,
 )
-from toolguard.guard import Decision, ToolGuard
-from toolguard.intent import Intent, WorkflowIdentity
-from toolguard.locks import connect, connect_async
-from toolguard.policies import Policy, ToolPolicy, load_policy
-from toolguard.store import open_async_store, open_store
 
-try:
-    __version__ = version("toolguard")
-except PackageNotFoundError:  # running from a source tree without install
-    __version__ = "0.0.0"
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from toolguard.adapters.functions import guarded
+    from toolguard.context import CallContext, current, current_or_none
+    from toolguard.guard import Decision, ToolFailed, ToolGuard
+    from toolguard.intent import Intent, WorkflowIdentity
+    from toolguard.locks import connect, connect_async
+    from toolguard.policies import Policy, ToolPolicy, load_policy
+    from toolguard.store import open_async_store, open_store
+
+#: The one place the version is written (pyproject.toml reads it from here); no
+#: ``importlib.metadata`` lookup at import time.
+__version__ = "0.1.0"
+
+#: name -> module: ``import toolguard`` loads only the errors; the guard, pydantic models,
+#: YAML and the lock machinery load when a name is first used (``from toolguard import X``).
+_LAZY = {
+    "guarded": "toolguard.adapters.functions",
+    "CallContext": "toolguard.context",
+    "current": "toolguard.context",
+    "current_or_none": "toolguard.context",
+    "Decision": "toolguard.guard",
+    "ToolFailed": "toolguard.guard",
+    "ToolGuard": "toolguard.guard",
+    "Intent": "toolguard.intent",
+    "WorkflowIdentity": "toolguard.intent",
+    "connect": "toolguard.locks",
+    "connect_async": "toolguard.locks",
+    "Policy": "toolguard.policies",
+    "ToolPolicy": "toolguard.policies",
+    "load_policy": "toolguard.policies",
+    "open_async_store": "toolguard.store",
+    "open_store": "toolguard.store",
+}
 
 
-def __getattr__(name: str) -> object:
-    """``guarded`` loads the adapters (and LangChain) only when asked for."""
-    if name == "guarded":
-        from toolguard.adapters.functions import guarded
+#: Submodules reachable as attributes (``toolguard.locks.connect``) without importing them first.
+_SUBMODULES = frozenset({"adapters", "config", "context", "errors", "extras", "guard", "intent",
+                         "locks", "policies", "store"})
 
-        return guarded
-    msg = f"module 'toolguard' has no attribute {name!r}"
-    raise AttributeError(msg)
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"toolguard.{name}")
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        msg = f"module 'toolguard' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 __all__ = [
@@ -66,6 +102,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "StaleFencingToken",
+    "ToolFailed",
     "ToolGuard",
     "ToolGuardError",
     "ToolPolicy",
@@ -75,6 +112,7 @@ __all__ = [
     "connect",
     "connect_async",
     "current",
+    "current_or_none",
     "guarded",
     "load_policy",
     "open_async_store",

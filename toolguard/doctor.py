@@ -35,6 +35,7 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 from toolguard.errors import BackendUnavailable, ConfigurationError, ToolGuardError
+from toolguard.extras import require
 
 __all__ = ["Check", "Status", "exit_code", "run_checks"]
 
@@ -60,6 +61,7 @@ class Check:
     why: str
     fix: str | None = None
     unreachable: bool = False  # a failure because a backend did not answer (exit 3)
+    refused: bool = False  # a failure because a backend answered no (role, database, auth: exit 4)
     data: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -67,9 +69,12 @@ class Check:
 
 
 def exit_code(checks: Sequence[Check], *, strict: bool = False) -> int:
-    """3 if a backend is unreachable, 1 if a check failed (or warned, with ``strict``), else 0."""
+    """3 if a backend is unreachable, 4 if one refused us, 1 if a check failed (or warned, with
+    ``strict``), else 0."""
     if any(c.unreachable for c in checks):
         return 3
+    if any(c.refused for c in checks):
+        return 4
     if any(c.status == "fail" for c in checks) or (strict and any(c.status == "warn" for c in checks)):
         return 1
     return 0
@@ -95,6 +100,7 @@ class _LockProbe:
 
 
 def _probe_redis(url: str, timeout: float, prefix: str) -> _LockProbe:
+    require("redis", "the Redis lock backend")
     import redis
 
     from toolguard.locks.redis import RedisBackend
@@ -163,6 +169,9 @@ def _creatable(folder: Path) -> bool:
 
 
 def _probe_postgres(url: str, timeout: float) -> _LockProbe:
+    from toolguard.store.cli import classify_postgres_error
+
+    require("postgres", "the PostgreSQL lock backend")
     import psycopg
 
     state: dict[str, Any] = {}
@@ -170,10 +179,10 @@ def _probe_postgres(url: str, timeout: float) -> _LockProbe:
     def conn() -> Any:
         if "conn" not in state:
             try:
-                state["conn"] = psycopg.connect(url, connect_timeout=max(1, int(timeout)),
+                state["conn"] = psycopg.connect(url, connect_timeout=max(1, round(timeout)),
                                                 autocommit=True)
-            except psycopg.OperationalError as error:
-                raise BackendUnavailable(f"postgresql: {str(error).strip()}") from error
+            except psycopg.Error as error:
+                raise classify_postgres_error(error) from None
         return state["conn"]
 
     def server_time_us() -> int:
@@ -199,6 +208,7 @@ def _probe_postgres(url: str, timeout: float) -> _LockProbe:
 
 
 def _probe_etcd(url: str, timeout: float) -> _LockProbe:
+    require("etcd", "the etcd lock backend")
     from toolguard.locks.etcd import EtcdBackend
 
     backend = EtcdBackend(url, timeout_s=timeout)
@@ -249,15 +259,39 @@ def _redact(url: str) -> str:
     return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
 
 
+class _NotCreatedStore:
+    """The embedded store's file does not exist yet: doctor reports it and must not create it."""
+
+    dialect = "sqlite"
+
+    def schema_version(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Nothing was opened."""
+
+
 def _open_store(url: str, schema: str | None, timeout_s: float) -> Any:
     from toolguard.store import open_store
+    from toolguard.store.cli import is_postgres_url, probe_postgres
 
-    if url.startswith(("postgresql:", "postgres:")):
+    if is_postgres_url(url):
+        probe_postgres(url, timeout_s)  # a wrong role, database or sslmode fails here, at once
         return open_store(url, schema=schema, timeout_s=timeout_s, min_size=0, max_size=2)
     if schema:
         msg = "a schema only applies to a PostgreSQL store"
         raise ConfigurationError(msg)
+    from toolguard.locks import sqlite_path
+
+    if not Path(sqlite_path(url)).exists():
+        return _NotCreatedStore()
     return open_store(url)
+
+
+def _is_refusal(error: BaseException) -> bool:
+    from toolguard.store.cli import BackendRefused
+
+    return isinstance(error, BackendRefused)
 
 
 def _reason(error: BaseException) -> str:
@@ -314,7 +348,7 @@ def run_checks(
             f"{_redact(lock_url)}: {_reason(error)}",
             "every guarded call takes its locks there: without it nothing runs",
             fix="start the server or fix TOOLGUARD_LOCK_URL / TOOLGUARD_REDIS_URL",
-            unreachable=True))
+            unreachable=not _is_refusal(error), refused=_is_refusal(error)))
         probe = None
 
     store = None
@@ -322,8 +356,10 @@ def run_checks(
     try:
         store = _open_store(store_url, schema, timeout_s)
         installed = store.schema_version()
+        answered = ("not created yet (the first guarded call or `toolguard db init` creates it)"
+                    if isinstance(store, _NotCreatedStore) else "answered")
         checks.append(Check("store", "Store reachable", "pass",
-                            f"{store.dialect} store at {_redact(store_url)} answered",
+                            f"{store.dialect} store at {_redact(store_url)} {answered}",
                             "fenced writes, idempotency records and the audit log live there",
                             data={"dialect": store.dialect, "url": _redact(store_url)}))
     except ConfigurationError:
@@ -332,7 +368,8 @@ def run_checks(
         checks.append(Check(
             "store", "Store reachable", "fail", f"{_redact(store_url)}: {_reason(error)}",
             "fenced writes, idempotency records and the audit log live there",
-            fix="start the database or fix TOOLGUARD_DATABASE_URL", unreachable=True))
+            fix="start the database or fix TOOLGUARD_DATABASE_URL",
+            unreachable=not _is_refusal(error), refused=_is_refusal(error)))
         if store is not None:
             store.close()
         store = None

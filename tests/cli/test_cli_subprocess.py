@@ -48,3 +48,18 @@ def test_demo_as_a_subprocess(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert report["ok"] and not report["guard_off"]["correct"]
     assert (tmp_path / ".toolguard" / "store.db").exists()
+
+
+@pytest.mark.skipif(not CONSOLE_SCRIPT.exists(), reason="toolguard is not installed next to python")
+def test_demo_hints_run_as_printed_when_toolguard_is_not_on_path(tmp_path: Path) -> None:
+    """After the quick start toolguard is .venv/bin/toolguard: the hints say that, not `toolguard`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLGUARD_")}
+    env["PATH"] = "/usr/bin:/bin"
+    result = subprocess.run([str(CONSOLE_SCRIPT), "demo"], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    hint = next(line.strip() for line in result.stdout.splitlines() if "audit --rejected" in line)
+    assert hint == f"{CONSOLE_SCRIPT} audit --rejected"
+    again = subprocess.run(hint.split(), capture_output=True, text=True, timeout=120, env=env,
+                           cwd=tmp_path)
+    assert again.returncode == 0 and "refused intents" in again.stdout

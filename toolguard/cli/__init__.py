@@ -30,7 +30,8 @@ __all__ = ["app"]
 HELP = f"""toolguard: fenced locks, exactly-once intents and an audit log between LLM agents and
 the records they change.
 
-Start with `toolguard demo` (runs offline), then `toolguard audit --rejected`.
+Start with `toolguard demo` (runs offline; needs the [langgraph] extra), then
+`toolguard audit --rejected`.
 Settings come from TOOLGUARD_* variables: TOOLGUARD_REDIS_URL (locks),
 TOOLGUARD_DATABASE_URL (store); with neither, everything lives in two SQLite files under
 ./.toolguard/ (locks.db, store.db).

@@ -253,12 +253,15 @@ def list_command(
 @audit_app.command("show")
 def show_command(
     ctx: typer.Context,
-    entry_id: Annotated[int, typer.Argument(metavar="ID", min=1, help="The entry's id (first column "
-                                                                      "of `toolguard audit`).")],
-    json_out: JsonOpt = False,
+    entry_text: Annotated[str, typer.Argument(
+        metavar="ID", help="The entry's id (the first column of `toolguard audit`, e.g. 27 or #27).",
+        show_default=False)],
+    json_out: JsonOpt = False, csv_out: CsvOpt = False,
     url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
 ) -> None:
     """Show one audit entry in full: keys, tokens, redacted arguments, the whole detail."""
+    fmt = _format(json_out, csv_out)
+    entry_id = _entry_id(entry_text)
     filters = _parent(ctx).merged(AuditFilters(url=url, schema=schema, timeout=timeout))
     with _store(filters) as store:
         found = store.query_audit(after_id=entry_id - 1, limit=1, newest_first=False)
@@ -266,8 +269,11 @@ def show_command(
         fail(f"no audit entry with id {entry_id} in {redact(resolve_store_url(filters.url))}",
              EXIT_USAGE)
     entry = found[0]
-    if json_out:
+    if fmt == "json":
         typer.echo(json.dumps(_jsonable(entry), indent=2, ensure_ascii=False))
+        return
+    if fmt == "csv":
+        typer.echo(_csv([entry]), nl=False)
         return
     out = console()
     table = Table.grid(padding=(0, 2))
@@ -327,6 +333,15 @@ def stats_command(
 # --- list ----------------------------------------------------------------------------------
 
 
+def _entry_id(text: str) -> int:
+    """``27`` or ``#27`` (as the list shows it); anything else is a usage error, said plainly."""
+    cleaned = text.strip().removeprefix("#")
+    if not cleaned.isascii() or not cleaned.isdigit() or int(cleaned) < 1:
+        fail(f"{text!r} is not an audit entry id: give the number in the first column of "
+             f"`toolguard audit`, e.g. `toolguard audit show 27`", EXIT_USAGE)
+    return int(cleaned)
+
+
 def _parent(ctx: typer.Context) -> AuditFilters:
     parent = ctx.parent.obj if ctx.parent is not None else None
     return parent if isinstance(parent, AuditFilters) else AuditFilters()
@@ -337,7 +352,7 @@ def _store(filters: AuditFilters) -> Iterator[GuardedStore]:
     """Open the store for one command; expected failures exit with their code."""
     url = resolve_store_url(filters.url)
     with failures(redact(url)):
-        store = open_cli_store(url, filters.schema, filters.timeout)
+        store = open_cli_store(url, filters.schema, filters.timeout, create=False)
         try:
             yield store
         finally:

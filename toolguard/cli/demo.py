@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -17,7 +18,9 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from toolguard.cli._common import EXIT_FAILED, console, failures, redact
+from toolguard.cli._common import EXIT_FAILED, console, failures, invocation, redact
+from toolguard.extras import require
+from toolguard.store.cli import is_postgres_url, probe_postgres
 
 if TYPE_CHECKING:
     from toolguard.demo import DemoEvent, Report
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
 #: The demo's tools that write a lead (request_review only asks a person).
 WRITE_TOOLS = frozenset({"enrich_lead", "update_intent_score", "verify_email", "set_tier"})
 
-__all__ = ["demo"]
+__all__ = ["check_policy", "demo", "next_commands"]
 
 MEANING = {
     "stale_fencing_token": "the stalled enricher woke after its lease expired; a newer holder "
@@ -67,6 +70,14 @@ def demo(
     lock_url = settings.resolved_lock_url()
     store_url = settings.resolved_store_url()
     out = console()
+    with failures():
+        require("langgraph", "toolguard demo (four LangGraph agents)")
+        if policy is not None:
+            check_policy(policy)  # a broken file fails here, before either phase runs
+    for url in dict.fromkeys((store_url, lock_url)):
+        if is_postgres_url(url):
+            with failures(redact(url)):
+                probe_postgres(url)  # a wrong database, role or sslmode: one line, at once
     with failures(), _quiet_logs(verbose, out):
         folder.mkdir(parents=True, exist_ok=True)
         _probe(lock_url)
@@ -86,6 +97,14 @@ def demo(
         _summary(out, unguarded, guarded, store_url)
     if not guarded.correct:
         raise typer.Exit(EXIT_FAILED)
+
+
+def check_policy(path: Path) -> None:
+    """Load ``path`` and check it against the demo's tools; raise ``PolicyProblems`` listing all."""
+    from toolguard.demo import demo_tools
+    from toolguard.policies import load_policy
+
+    load_policy(path).check_against(demo_tools(), missing_ok=False)
 
 
 def _probe(lock_url: str) -> None:
@@ -171,8 +190,6 @@ def _cell(value: Any) -> str:
 
 
 def _summary(out: Console, unguarded: Report, guarded: Report, store_url: str) -> None:
-    from toolguard.config import Settings
-
     out.print()
     records = Table(title="Lead records with the guard on", title_justify="left",
                     caption="✓: equal to the expected record, computed from the scenario alone",
@@ -192,19 +209,20 @@ def _summary(out: Console, unguarded: Report, guarded: Report, store_url: str) -
                                                                    style="red"))
     out.print(records)
 
-    decisions = guarded.decisions()
     out.print()
-    line = Text("Intents with the guard on (this run): ", style="bold")
-    for name, style in (("accepted", "green"), ("replayed", "cyan"), ("rejected", "red"),
-                        ("unknown", "yellow"), ("failed", "red")):
-        if decisions.get(name):
-            line.append(f"{decisions[name]} {name}", style=style)
-            line.append("  ")
+    writes = Counter(e.decision for e in guarded.audit if e.tool in WRITE_TOOLS)
+    reviews = Counter(e.decision for e in guarded.audit if e.tool not in WRITE_TOOLS)
+    line = Text("Write intents with the guard on (this run): ", style="bold")
+    _counts(line, writes)
     out.print(line)
-    if decisions.get("unknown"):
+    if reviews:
+        line = Text("  review requests (ask a person, write nothing): ", style="dim")
+        _counts(line, reviews)
+        out.print(line)
+    if writes.get("unknown") or reviews.get("unknown"):
         out.print(Text("  unknown: a call paused by a LangGraph interrupt, reconciled when the "
                        "thread resumed", style="dim"))
-    if decisions.get("replayed"):
+    if writes.get("replayed"):
         out.print(Text("  replayed: a re-run call (RetryPolicy, resumed interrupt, or a second "
                        "demo run) returned its recorded result instead of writing again",
                        style="dim"))
@@ -224,19 +242,47 @@ def _summary(out: Console, unguarded: Report, guarded: Report, store_url: str) -
     out.print()
     out.print(_scores(unguarded, guarded))
 
-    applied = sum(1 for e in guarded.audit if e.decision == "accepted" and e.tool in WRITE_TOOLS)
-    if decisions.get("replayed") and not applied:
-        out.print(Text("Every write intent was replayed from an earlier run: nothing changed. "
-                       "Delete the demo's folder (or use --dir) to watch it from the start.",
-                       style="cyan"))
+    if writes.get("replayed") and not writes.get("accepted"):
+        out.print(Text("A second run: every write applied in an earlier run was replayed from its "
+                       "record, so no lead changed; the refused calls were checked and refused "
+                       "again (a refusal records no result). Delete the demo's folder (or use "
+                       "--dir) to watch it from the start.", style="cyan"))
+    out.print(Text("The guard-off column changes from run to run: without locks, who overwrites "
+                   "whom depends on thread timing. The guard-on records are the same every run.",
+                   style="dim"))
     out.print()
-    where = "" if store_url == Settings().resolved_store_url() else f" --url '{redact(store_url)}'"
     out.print(Text("Next: what the agents tried that was refused, and why:", style="bold"))
-    out.print(f"  toolguard audit --rejected{where}")
     stale = guarded.stale_rejections
-    if stale:
-        out.print(f"  toolguard audit show {stale[0].id}{where}      # the stalled worker's write")
-    out.print(f"  toolguard audit stats{where}")
+    for line in next_commands(store_url, stale[0].id if stale else None):
+        out.print(f"  {line}")
+    if redact(store_url) != store_url:
+        out.print(Text("  (the password is shown as ***: put it back, or set TOOLGUARD_DATABASE_URL "
+                       "and leave --url out)", style="dim"))
+
+
+def next_commands(store_url: str, stale_id: int | None, command: str | None = None) -> list[str]:
+    """The commands to review this run, runnable as printed.
+
+    ``command`` defaults to how toolguard was started (``.venv/bin/toolguard``
+    after the quick start); ``--url`` is added for every store but the
+    embedded default under ./.toolguard, so the hints work in another shell too.
+    """
+    command = command or invocation()
+    default_store = f"sqlite:///{(Path.cwd() / '.toolguard' / 'store.db').absolute()}"
+    where = "" if store_url == default_store else f" --url '{redact(store_url)}'"
+    lines = [f"{command} audit --rejected{where}"]
+    if stale_id is not None:
+        lines.append(f"{command} audit show {stale_id}{where}      # the stalled worker's write")
+    lines.append(f"{command} audit stats{where}")
+    return lines
+
+
+def _counts(line: Text, counts: Counter[str]) -> None:
+    for name, style in (("accepted", "green"), ("replayed", "cyan"), ("rejected", "red"),
+                        ("unknown", "yellow"), ("failed", "red")):
+        if counts.get(name):
+            line.append(f"{counts[name]} {name}", style=style)
+            line.append("  ")
 
 
 def _comparison(unguarded: Report, guarded: Report) -> Table:

@@ -87,7 +87,8 @@ def doctor(
             out.print(Text(f"      fix: {check.fix}", style="cyan"), soft_wrap=True)
     counts = {s: sum(c.status == s for c in checks) for s in ("pass", "warn", "fail", "skip")}
     verdict = {0: ("ok", "bold green"), 1: ("checks failed", "bold red"),
-               3: ("a backend is unreachable", "bold red")}[code]
+               3: ("a backend is unreachable", "bold red"),
+               4: ("a backend refused the connection", "bold red")}[code]
     out.print(Text.assemble((verdict[0], verdict[1]), f" — {counts['pass']} passed, "
                             f"{counts['warn']} warnings, {counts['fail']} failed, "
                             f"{counts['skip']} skipped (exit {code})"))

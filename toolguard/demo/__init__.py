@@ -8,6 +8,7 @@ from toolguard.demo.lead_qualifier import (
     Finding,
     LeadRecord,
     Report,
+    demo_tools,
     expected_records,
     run_pipeline,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "Finding",
     "LeadRecord",
     "Report",
+    "demo_tools",
     "expected_records",
     "run_pipeline",
 ]

@@ -80,6 +80,7 @@ __all__ = [
     "PlannedCall",
     "Report",
     "ScriptedAgentModel",
+    "demo_tools",
     "expected_records",
     "fit_points",
     "run_pipeline",
@@ -362,6 +363,11 @@ class _Leads:
             self.interleaving.wrote(lead_id)
 
 
+def demo_tools() -> dict[str, Any]:
+    """The demo's tools by name, to check a policy against their arguments before a run."""
+    return {tool.name: tool for tool in _make_tools(None)}  # type: ignore[arg-type]
+
+
 def _make_tools(leads: _Leads) -> list[Any]:
     from langchain_core.tools import tool
     from langgraph.types import interrupt
@@ -525,7 +531,7 @@ def _run_lead(graph: Any, lead_id: str, pipeline: str,
 
 
 def _label(url: str) -> str:
-    from toolguard.store.postgres import redact
+    from toolguard.store.cli import redact
 
     return redact(url)
 

@@ -69,10 +69,19 @@ _WHERE = {
 }
 
 
+#: The extra each part's third-party library comes from (a missing one raises ``MissingExtra``).
+_EXTRA = {"http_client": "http", "mcp_server": "mcp", "mcp_client": "mcp"}
+
+
 def __getattr__(name: str) -> Any:
     """Load each part (and its library: httpx, fastmcp...) only when it is asked for."""
     module = _WHERE.get(name)
     if module is None:
         msg = f"module 'toolguard.fences' has no attribute {name!r}"
         raise AttributeError(msg)
+    extra = _EXTRA.get(module)
+    if extra is not None:
+        from toolguard.extras import require
+
+        require(extra, f"toolguard.fences.{name}")
     return getattr(import_module(f"toolguard.fences.{module}"), name)

@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from toolguard.errors import ConfigurationError, LockError, LockLost, LockTimeout, NotOwned
+from toolguard.extras import require
 from toolguard.locks.base import AsyncLockBackend, Attempt, BackendInfo, LockBackend
 from toolguard.locks.lease import Lease, heartbeat
 from toolguard.locks.manager import AsyncLockManager, LockManager
@@ -51,6 +52,7 @@ def open_backend(url: str, **options: Any) -> LockBackend:
     """The sync backend for ``url``, chosen by scheme."""
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss", "unix"):
+        require("redis", "the Redis lock backend")
         from toolguard.locks.redis import RedisBackend
 
         return RedisBackend(url, **options)
@@ -59,10 +61,12 @@ def open_backend(url: str, **options: Any) -> LockBackend:
 
         return SqliteBackend(sqlite_path(url), **options)
     if scheme in ("postgresql", "postgres"):
+        require("postgres", "the PostgreSQL lock backend")
         from toolguard.locks.postgres import PostgresBackend
 
         return PostgresBackend(url, **options)
     if scheme == "etcd":
+        require("etcd", "the etcd lock backend")
         from toolguard.locks.etcd import EtcdBackend
 
         return EtcdBackend(url, **options)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from toolguard.errors import PolicyProblems
-from toolguard.policies.loader import load_policy
+from toolguard.policies.loader import load_policy, policy_files
 from toolguard.policies.model import Policy, Problem
 from toolguard.policies.schemas import schema_problems
 
@@ -41,11 +41,13 @@ def check(
         "--tools", metavar="MODULE:ATTR",
         help="Where the real tools are (a dict name -> model/schema/function, or a list of "
              "tools/functions); checks that templates and constraints name real arguments. "
-             "Repeatable.")] = None,
+             "Repeatable. Without it only the policy itself is checked, and the output says so.")
+    ] = None,
     each: Annotated[bool, typer.Option(
-        "--each", help="Check every file as a policy of its own instead of merging them.")] = False,
+        "--each", help="Check every file (a folder: each of its files) as a policy of its own "
+                       "instead of merging them.")] = False,
 ) -> None:
-    """Validate policy files; report each problem with file:line."""
+    """Validate policy files; report every problem with file:line."""
     console = Console(highlight=False, soft_wrap=True)
     schemas: dict[str, Any] | None = None
     if tools:
@@ -55,8 +57,16 @@ def check(
                 schemas.update(load_tool_schemas(spec))
         except Exception as error:  # importing user code can raise anything: a usage error, no traceback
             raise typer.BadParameter(f"{type(error).__name__}: {error}", param_hint="--tools") from None
-    groups = [[path] for path in files] if each else [list(files)]
     problems: list[Problem] = []
+    groups: list[list[Path]] = []
+    if each:
+        for path in files:  # a folder given with --each is its files, each a policy of its own
+            try:
+                groups.extend([file] for file in policy_files(path))
+            except PolicyProblems as error:
+                problems.extend(p if isinstance(p, Problem) else Problem(str(p)) for p in error.problems)
+    else:
+        groups = [list(files)]
     checked: list[tuple[str, Policy]] = []
     for group in groups:
         label = ", ".join(str(path) for path in group)
@@ -65,9 +75,10 @@ def check(
         except PolicyProblems as error:
             problems.extend(p if isinstance(p, Problem) else Problem(str(p)) for p in error.problems)
             continue
-        if schemas is not None:
-            problems.extend(schema_problems(policy, schemas, missing_ok=False))
-        checked.append((label, policy))
+        mismatches = schema_problems(policy, schemas, missing_ok=False) if schemas is not None else []
+        problems.extend(mismatches)
+        if not mismatches:
+            checked.append((label, policy))
     for problem in problems:
         line = Text()
         if problem.file:
@@ -76,14 +87,27 @@ def check(
         line.append("error: ", style="bold red")
         line.append(problem.message)
         console.print(line)
+    for label, policy in checked:
+        if problems and not each:
+            break  # one merged policy: its problems are the answer
+        tools_count = len(policy.tools)
+        console.print(Text.assemble(("ok ", "bold green"), label,
+                                    f": {tools_count} tool{'s' if tools_count != 1 else ''}"))
     if problems:
         count = len(problems)
         console.print(Text(f"{count} problem{'s' if count != 1 else ''} found", style="red"))
         raise typer.Exit(1)
-    for label, policy in checked:
-        tools_count = len(policy.tools)
-        console.print(Text.assemble(("ok ", "bold green"), label,
-                                    f": {tools_count} tool{'s' if tools_count != 1 else ''}"))
+    if schemas is None and any(_has_templates(policy) for _, policy in checked):
+        console.print(Text(
+            "note: the tools were not given, so lock and idempotency templates, args: and redact: "
+            "were not checked against the tools' arguments (a template naming no argument fails "
+            "every call). Check them with --tools MODULE:ATTR; ToolGuard checks them when it "
+            "registers each tool.", style="yellow"))
+
+
+def _has_templates(policy: Policy) -> bool:
+    return any(tool.locks or tool.idempotency_key or tool.args or tool.redact
+               for tool in policy.tools.values())
 
 
 def load_tool_schemas(spec: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ translates pydantic's error locations through that map.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import typing
@@ -45,8 +46,16 @@ def load_policy(paths: PathLike | Iterable[PathLike], *,
     tool (or ``defaults``) defined in two places is an error naming both.
     Raise ``PolicyProblems`` (a ``PolicyError``) with file:line for each problem.
     """
-    data, locations = read_policy_data(paths)
-    return build_policy(data, locations, key_fn=key_fn)
+    data, locations, problems, complete = _read(paths)
+    if problems and not complete:  # a file could not be read at all: checking the rest would
+        raise PolicyProblems(problems)  # report tools it defines as unknown
+    try:
+        policy = build_policy(data, locations, key_fn=key_fn)
+    except PolicyProblems as error:
+        raise PolicyProblems(_in_file_order([*problems, *_new(error.problems, problems)])) from None
+    if problems:
+        raise PolicyProblems(_in_file_order(problems))
+    return policy
 
 
 def policy_files(paths: PathLike | Iterable[PathLike]) -> list[Path]:
@@ -72,22 +81,36 @@ def policy_files(paths: PathLike | Iterable[PathLike]) -> list[Path]:
 
 def read_policy_data(paths: PathLike | Iterable[PathLike]) -> tuple[dict[str, Any], Locations]:
     """Parse and merge the files into plain data plus the location of every field."""
-    merged: dict[str, Any] = {}
-    locations: Locations = {}
-    problems: list[Problem] = []
-    for file in policy_files(paths):
-        try:
-            data, where = _parse(file.read_text(encoding="utf-8"), str(file))
-        except PolicyProblems as error:
-            problems.extend(error.problems)  # type: ignore[arg-type]
-            continue
-        except (OSError, UnicodeDecodeError) as error:
-            problems.append(Problem(f"cannot read the file: {error}", str(file)))
-            continue
-        problems.extend(_merge(merged, locations, data, where, str(file)))
+    merged, locations, problems, _complete = _read(paths)
     if problems:
         raise PolicyProblems(problems)
     return merged, locations
+
+
+def _read(paths: PathLike | Iterable[PathLike]) -> tuple[dict[str, Any], Locations, list[Problem], bool]:
+    """(merged data, locations, problems, whether every file was parsed).
+
+    A duplicate key or tool is a problem, but the first definition is kept so
+    the rest of the policy is still checked; invalid YAML leaves a file out.
+    """
+    merged: dict[str, Any] = {}
+    locations: Locations = {}
+    problems: list[Problem] = []
+    complete = True
+    for file in policy_files(paths):
+        try:
+            data, where, found = _parse(file.read_text(encoding="utf-8"), str(file))
+        except PolicyProblems as error:
+            problems.extend(error.problems)  # type: ignore[arg-type]
+            complete = False
+            continue
+        except (OSError, UnicodeDecodeError) as error:
+            problems.append(Problem(f"cannot read the file: {error}", str(file)))
+            complete = False
+            continue
+        problems.extend(found)
+        problems.extend(_merge(merged, locations, data, where, str(file)))
+    return merged, locations, problems, complete
 
 
 def build_policy(data: Mapping[str, Any], locations: Locations | None = None, *,
@@ -96,8 +119,95 @@ def build_policy(data: Mapping[str, Any], locations: Locations | None = None, *,
     try:
         policy = Policy.model_validate(data, context={"locations": locations or {}})
     except ValidationError as error:
-        raise PolicyProblems(validation_problems(error, locations)) from None
+        problems = validation_problems(error, locations)
+        found = [*problems, *_despite(data, locations, error, problems)]
+        raise PolicyProblems(_in_file_order(found)) from None
     return policy.with_key_fn(key_fn) if key_fn is not None else policy
+
+
+def _despite(data: Mapping[str, Any], locations: Locations | None, error: ValidationError,
+             reported: list[Problem]) -> list[Problem]:
+    """The whole-policy problems (``after:``, agents, missing locks) the field errors hid.
+
+    pydantic stops before the cross-tool checks when a field is invalid, so a
+    file would be fixed one problem at a time. Here the invalid fields are left
+    out and the rest is checked again; problems that leaving a field out could
+    have caused (a tool whose ``locks:`` was dropped has none) are not reported.
+    """
+    repaired = copy.deepcopy(dict(data))
+    dropped: dict[str, set[str]] = {}
+    found: list[Problem] = []
+    for _ in range(3):
+        if not _drop_invalid(repaired, error, dropped):
+            return found
+        try:
+            Policy.model_validate(repaired, context={"locations": locations or {}})
+        except ValidationError as again:
+            found.extend(_new(validation_problems(again, locations), [*reported, *found]))
+            error = again
+            continue
+        except PolicyProblems as whole:
+            kept = [p for p in whole.problems if isinstance(p, Problem) and not _caused(p, dropped)]
+            return [*found, *_new(kept, [*reported, *found])]
+        return found
+    return found
+
+
+def _drop_invalid(data: dict[str, Any], error: ValidationError, dropped: dict[str, set[str]]) -> bool:
+    """Remove each field pydantic refused; False if one cannot be removed (checking stops)."""
+    for item in error.errors(include_url=False, include_input=False):
+        loc = tuple(part for part in item["loc"] if part != "[key]")
+        if item["type"] == "missing" or not loc:
+            return False
+        if loc[0] == "tools" and len(loc) >= 2 and isinstance(data.get("tools"), dict):
+            tools = data["tools"]
+            name = str(loc[1])
+            if len(loc) == 2 or not isinstance(tools.get(name), dict):
+                tools[name] = {"read_only": True}  # stands in for the broken tool: it exists
+                dropped.setdefault(name, set()).add("*")
+            else:
+                tools[name].pop(str(loc[2]), None)
+                dropped.setdefault(name, set()).add(str(loc[2]))
+        elif loc[0] == "tools":
+            return False  # the tools mapping itself (e.g. a bad tool name): nothing to check
+        elif len(loc) >= 2 and isinstance(data.get(loc[0]), dict):
+            data[str(loc[0])].pop(str(loc[1]), None)
+            dropped.setdefault("", set()).add(f"{loc[0]}.{loc[1]}")
+        else:
+            data.pop(str(loc[0]), None)
+            dropped.setdefault("", set()).add(str(loc[0]))
+    return True
+
+
+def _caused(problem: Problem, dropped: Mapping[str, set[str]]) -> bool:
+    """Whether leaving out the dropped fields could have produced ``problem``."""
+    text = problem.message
+    if dropped.get(""):
+        return True  # broken defaults change every tool: report only what is certain
+    for name, fields in dropped.items():
+        lockish = bool(fields & {"*", "locks", "read_only"})
+        if lockish and text.startswith(f"tools.{name}: no locks"):
+            return True
+        if lockish and "lock no resource of the same kind" in text and (
+                text.startswith(f"tools.{name}.") or f"and {name!r} lock" in text):
+            return True
+    return False
+
+
+def _in_file_order(problems: list[Problem]) -> list[Problem]:
+    """Every problem once, by file and line (problems without a line first in their file)."""
+    return sorted(_new(problems, []), key=lambda p: (p.file or "", p.line or 0))
+
+
+def _new(problems: Iterable[Any], seen: list[Problem]) -> list[Problem]:
+    known = {str(p) for p in seen}
+    out: list[Problem] = []
+    for problem in problems:
+        item = problem if isinstance(problem, Problem) else Problem(str(problem))
+        if str(item) not in known:
+            known.add(str(item))
+            out.append(item)
+    return out
 
 
 def validation_problems(error: ValidationError, locations: Mapping[tuple[str | int, ...], Location] | None
@@ -119,8 +229,12 @@ def validation_problems(error: ValidationError, locations: Mapping[tuple[str | i
 # --- YAML with lines -------------------------------------------------------------------
 
 
-def _parse(text: str, file: str) -> tuple[Any, Locations]:
-    """YAML text -> (data, {path: Location}); duplicate keys and bad YAML are problems."""
+def _parse(text: str, file: str) -> tuple[Any, Locations, list[Problem]]:
+    """YAML text -> (data, {path: Location}, problems).
+
+    Bad YAML raises; a duplicate key or a non-string key is a problem returned
+    beside the data (which keeps the first definition), so the rest is checked.
+    """
     loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()
@@ -142,12 +256,11 @@ def _parse(text: str, file: str) -> tuple[Any, Locations]:
         mark = error.problem_mark
         raise PolicyProblems([Problem(f"invalid YAML: {error.problem}", file,
                                       mark.line + 1 if mark else None)]) from None
-    if builder.problems:
-        raise PolicyProblems(builder.problems)
     if not isinstance(data, dict):
-        raise PolicyProblems([Problem("a policy file is a mapping with version:, tools: ...", file,
+        raise PolicyProblems([*builder.problems,
+                              Problem("a policy file is a mapping with version:, tools: ...", file,
                                       root.start_mark.line + 1)])
-    return data, builder.locations
+    return data, builder.locations, builder.problems
 
 
 class _Builder:

@@ -68,6 +68,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from toolguard.errors import ConfigurationError
+from toolguard.extras import require
 from toolguard.store.base import (
     DECISIONS,
     SQLSTATES,
@@ -140,6 +141,7 @@ def open_store(url: str | None = None, *, install: bool = False, **options: Any)
 
         store = SqliteStore(sqlite_path(url), **options)
     else:
+        require("postgres", "the PostgreSQL store")
         from toolguard.store.postgres import PostgresStore
 
         store = PostgresStore(url, **options)
@@ -164,6 +166,7 @@ def open_async_store(url: str | None = None, **options: Any) -> AsyncGuardedStor
         from toolguard.store.sqlite import AsyncSqliteStore
 
         return AsyncSqliteStore(sqlite_path(url), **options)
+    require("postgres", "the PostgreSQL store")
     from toolguard.store.postgres import AsyncPostgresStore
 
     return AsyncPostgresStore(url, **options)

@@ -13,6 +13,7 @@ failures print one line on stderr and exit with a code scripts can test:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,20 @@ from toolguard.errors import BackendUnavailable, ConfigurationError, ToolGuardEr
 if TYPE_CHECKING:
     from toolguard.store import GuardedStore
 
-__all__ = ["EXIT_BEHIND", "EXIT_CONFIG", "EXIT_REFUSED", "EXIT_UNREACHABLE", "db_app"]
+__all__ = [
+    "EXIT_BEHIND",
+    "EXIT_CONFIG",
+    "EXIT_REFUSED",
+    "EXIT_UNREACHABLE",
+    "BackendRefused",
+    "classify_postgres_error",
+    "db_app",
+    "is_postgres_url",
+    "open_cli_store",
+    "probe_postgres",
+    "redact",
+    "resolve_store_url",
+]
 
 EXIT_BEHIND = 1
 EXIT_CONFIG = 2
@@ -57,23 +71,29 @@ def resolve_store_url(url: str | None) -> str:
     return Settings().resolved_store_url()
 
 
-def _shown(url: str) -> str:
-    from toolguard.store.postgres import redact
+def redact(url: str) -> str:
+    """The URL without its password, for messages (needs no database driver)."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
 
-    return redact(url)
+
+_shown = redact
 
 
 @contextmanager
 def _failures(url: str) -> Iterator[None]:
     """Expected failures become one line on stderr and an exit code; no traceback."""
+    shown = _shown(url)
     try:
         yield
     except ConfigurationError as error:
-        typer.echo(f"error: {error}", err=True)
+        typer.echo(f"error: {shown}: {error}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None
     except BackendUnavailable as error:
-        typer.echo(f"error: cannot connect to the store: {error}", err=True)
+        typer.echo(f"error: cannot connect to the store at {shown}: {error}", err=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None
+    except BackendRefused as error:
+        typer.echo(f"error: {shown}: {error}", err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
     except ToolGuardError as error:
         typer.echo(f"error: {error.reason}: {error}", err=True)
         raise typer.Exit(EXIT_REFUSED) from None
@@ -83,16 +103,87 @@ def _failures(url: str) -> Iterator[None]:
         raise typer.Exit(EXIT_REFUSED) from None
 
 
+class BackendRefused(ToolGuardError):
+    """The server answered and said no (unknown role or database, bad password, no SSL)."""
+
+    reason = "backend_refused"
+
+
+#: libpq's words for a connection string it cannot use: the URL is wrong (exit 2).
+_URL_MISTAKES = ("invalid uri", "invalid connection option", "invalid sslmode", "invalid value for",
+                 "invalid integer value", "invalid percent-encoded", "missing \"=\"",
+                 "unterminated quoted string", "invalid port")
+#: A server that answers FATAL for these may take the connection a moment later (exit 3).
+_PASSING = ("starting up", "shutting down", "in recovery", "too many connections",
+            "remaining connection slots", "not yet accepting connections")
+
+
+def is_postgres_url(url: str) -> bool:
+    return url.startswith(("postgresql:", "postgres:"))
+
+
+def probe_postgres(url: str, timeout: float = 5.0) -> None:
+    """One direct connection attempt, before any pool is made, so a mistake fails at once.
+
+    A pool retries every failure until its timeout; a wrong database, role,
+    password or ``sslmode`` never gets better, so it is classified here from
+    the server's (or libpq's) answer: ``ConfigurationError`` for a URL libpq
+    cannot use, ``BackendRefused`` for a server that said no,
+    ``BackendUnavailable`` for one that did not answer. One line each.
+    """
+    from toolguard.extras import require
+
+    require("postgres", "the PostgreSQL backend")
+    import psycopg
+
+    try:
+        psycopg.connect(url, connect_timeout=max(1, round(timeout)), autocommit=True).close()
+    except psycopg.Error as error:
+        raise classify_postgres_error(error) from None
+
+
+def classify_postgres_error(error: Exception) -> ToolGuardError:
+    """A connection failure as the toolguard error (and so the exit code) it deserves.
+
+    The message is one line and does not repeat the URL: the caller names it.
+    """
+    text = " ".join(str(error).split())
+    lowered = text.lower()
+    if "fatal:" in lowered:
+        said = text[lowered.index("fatal:") + len("fatal:"):].strip()
+        if any(word in lowered for word in _PASSING):
+            return BackendUnavailable(f"the server is not taking connections yet: {said}")
+        return BackendRefused(f"the server refused the connection: {said}")
+    if "ssl was required" in lowered or "does not support ssl" in lowered:
+        return BackendRefused("the server refused the connection: it does not support SSL, but the "
+                              "URL's sslmode requires it")
+    if any(word in lowered for word in _URL_MISTAKES):
+        detail = text.removeprefix("connection is bad:").strip()
+        return ConfigurationError(f"not a usable PostgreSQL URL: {detail}")
+    detail = text.removeprefix("connection failed:").strip()
+    return BackendUnavailable(f"no answer: {detail}")
+
+
 def open_cli_store(url: str, schema: str | None = None, timeout: float = 5.0,
-                   *, install: bool = False) -> GuardedStore:
-    """A store for one short command: a small PostgreSQL pool that fails fast, quietly."""
+                   *, install: bool = False, create: bool = True) -> GuardedStore:
+    """A store for one short command: a probe that fails at once, then a small, quiet pool.
+
+    ``create=False`` (read-only commands) refuses to create the embedded SQLite
+    file where there is none: it raises ``schema_not_installed`` instead.
+    """
     from toolguard.store import open_store
+
+    if not create and _missing_sqlite_file(url, schema):
+        raise ToolGuardError("no toolguard store here yet (the file does not exist): run "
+                             "`toolguard demo` or `toolguard db init`, or pass --url",
+                             reason="schema_not_installed")
 
     # The pool logs every failed connection attempt; the command reports the failure itself.
     logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
 
     options: dict[str, object] = {}
-    if url.startswith(("postgresql:", "postgres:")):
+    if is_postgres_url(url):
+        probe_postgres(url, timeout)
         options = {"schema": schema, "timeout_s": timeout, "min_size": 0, "max_size": 2}
     elif schema:
         msg = "--schema only applies to PostgreSQL"
