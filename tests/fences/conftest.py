@@ -95,7 +95,7 @@ def service_store_url(request, unique, tmp_path) -> Iterator[tuple[str, str | No
 
 
 def _service(factory: str, store: tuple[str, str | None]) -> Iterator[ServiceProcess]:
-    from conftest import free_port
+    from servers import free_port
 
     process = ServiceProcess(factory, store[0], store[1], free_port()).start()
     try:
