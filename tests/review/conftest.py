@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from typer.testing import CliRunner
 
 from toolguard.cli import app as cli_app
@@ -28,8 +29,6 @@ from toolguard.intent import Intent, WorkflowIdentity
 from toolguard.locks import connect
 from toolguard.policies import Policy
 from toolguard.store import AuditEntry, GuardedStore, open_store
-
-uvicorn = pytest.importorskip("uvicorn")
 
 ENV = ("TOOLGUARD_LOCK_URL", "TOOLGUARD_REDIS_URL", "TOOLGUARD_DATABASE_URL", "TOOLGUARD_HOME",
        "TOOLGUARD_REVIEW_TOKEN")

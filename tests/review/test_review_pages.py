@@ -31,10 +31,15 @@ def listed(body: str) -> list[int]:
     return [int(n) for n in ROW.findall(body)]
 
 
-@pytest.fixture
-def demo_site(demo_store: GuardedStore) -> Iterator[str]:
-    with serving(create_app(demo_store, policy=DEMO_POLICY, store_label="demo")) as base:
-        yield base
+@pytest.fixture(scope="module")
+def demo_site(demo_home: dict[str, Any]) -> Iterator[str]:
+    """One server for the module: the pages only read, so the tests cannot disturb each other."""
+    store = open_store(demo_home["url"])
+    try:
+        with serving(create_app(store, policy=DEMO_POLICY, store_label="demo")) as base:
+            yield base
+    finally:
+        store.close()
 
 
 # --- the list --------------------------------------------------------------------------------

@@ -11,15 +11,19 @@ from review.conftest import fetch, serving
 from toolguard.errors import ConfigurationError
 from toolguard.review import create_app
 from toolguard.review.security import COOKIE_NAME, TokenGate, cookie_value
-from toolguard.store import GuardedStore
+from toolguard.store import GuardedStore, open_store
 
 TOKEN = "s3cret-review-token-0123456789"
 
 
-@pytest.fixture
-def site(demo_store: GuardedStore) -> Iterator[str]:
-    with serving(create_app(demo_store, token=TOKEN)) as base:
-        yield base
+@pytest.fixture(scope="module")
+def site(demo_home: dict) -> Iterator[str]:
+    store = open_store(demo_home["url"])
+    try:
+        with serving(create_app(store, token=TOKEN)) as base:
+            yield base
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("path", ["/", "/?decision=all", "/entry/1", "/entry/999999", "/nowhere"])
