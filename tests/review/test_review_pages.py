@@ -288,6 +288,20 @@ def test_the_page_reads_a_postgresql_store_the_same_way(postgres_url: str, uniqu
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
+def test_a_store_that_does_not_answer_is_a_503_page_not_a_traceback() -> None:
+    store = open_store("postgresql://reader:hunter2@127.0.0.1:1/nowhere", min_size=0, max_size=1,
+                       timeout_s=0.5)
+    try:
+        with serving(create_app(store)) as base:
+            for path in ("/", "/entry/1"):
+                reply = fetch(base, path)
+                assert reply.status == 503, path
+                assert "The store did not answer" in reply.body and "backend_unavailable" in reply.body
+                assert "hunter2" not in reply.body and "Traceback" not in reply.body
+    finally:
+        store.close()
+
+
 def _q(value: str) -> str:
     from urllib.parse import quote
 

@@ -65,6 +65,11 @@ def test_login_sets_a_cookie_that_is_not_the_token_and_drops_it_from_the_url(sit
     assert fetch(site, headers={"Cookie": 'bad"cookie;;=='}).status == 401
 
 
+def test_behind_a_local_tls_proxy_the_cookie_is_secure(site: str) -> None:
+    login = fetch(site, f"/login?token={TOKEN}", headers={"X-Forwarded-Proto": "https"})
+    assert login.status == 303 and login.headers["set-cookie"].endswith("; SameSite=Lax; Secure")
+
+
 def test_the_stylesheet_needs_no_token(site: str) -> None:
     reply = fetch(site, "/static/review.css")
     assert reply.status == 200 and "text/css" in reply.headers["content-type"]

@@ -115,8 +115,10 @@ def serve(
             out.print("Every page needs the access token: enter it on the page, or send "
                       "'Authorization: Bearer TOKEN'.", soft_wrap=True)
         out.print("Ctrl-C stops it.", style="dim")
+        # No access log: a login URL carries the token. Forwarded headers are trusted from
+        # loopback only (uvicorn's default), so a local TLS proxy can mark the cookie Secure.
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                server_header=False, proxy_headers=False)
+                                server_header=False)
         uvicorn.Server(config).run(sockets=[listener])
     finally:
         store.close()

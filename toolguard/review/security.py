@@ -150,7 +150,9 @@ class TokenGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):  # mounted under a prefix: match our own routes
+            path = path[len(root):]
         if path.startswith("/static/"):
             await self.app(scope, receive, send)
             return
