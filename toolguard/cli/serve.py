@@ -68,17 +68,17 @@ def serve(
         from toolguard.review import MIN_TOKEN_LENGTH, PolicySource, create_app, is_loopback
     except ImportError as error:
         _fail(f"toolguard serve needs the review extra ({error.name} is missing): {EXTRA_HINT}",
-             EXIT_USAGE)
+              EXIT_USAGE)
 
     token = token or None
     if token is not None and len(token) < MIN_TOKEN_LENGTH:
         _fail(f"--token needs at least {MIN_TOKEN_LENGTH} characters (e.g. python -c "
-             f"'import secrets; print(secrets.token_urlsafe())')", EXIT_USAGE)
+              f"'import secrets; print(secrets.token_urlsafe())')", EXIT_USAGE)
     addresses = _addresses(host, port)
     if token is None and not all(is_loopback(address[4][0]) for address in addresses):
         _fail(f"{host} is not a loopback address: anyone who reaches it could read the audit "
-             f"log. Give an access token (--token or {TOKEN_ENV}), or listen on 127.0.0.1.",
-             EXIT_USAGE)
+              f"log. Give an access token (--token or {TOKEN_ENV}), or listen on 127.0.0.1.",
+              EXIT_USAGE)
 
     source: PolicySource | None = None
     if policy:
@@ -89,7 +89,7 @@ def serve(
     shown = redact(target)
     if _missing_sqlite_file(target, schema):
         _fail(f"no audit log at {shown} yet: run `toolguard demo`, or point --url (or "
-             f"TOOLGUARD_DATABASE_URL) at your store", EXIT_USAGE)
+              f"TOOLGUARD_DATABASE_URL) at your store", EXIT_USAGE)
     with failures(shown):
         store = open_cli_store(target, schema, timeout)
         try:
@@ -100,27 +100,32 @@ def serve(
     if installed == 0:
         store.close()
         _fail(f"the toolguard schema is not installed in {shown}: run `toolguard db init`",
-             EXIT_FAILED)
+              EXIT_FAILED)
 
     try:
         listener = _listen(addresses)
+    except BaseException:
+        store.close()
+        raise
+    try:
         app = create_app(store, policy=source, token=token, store_label=shown,
                          allowed_hosts=() if _is_ip(host) else (host,))
         bound = listener.getsockname()
         where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         out = console()
         out.print(f"toolguard review: http://{where}:{bound[1]}/ (read-only) · store {shown}"
-                  + (f" · policy {source.label}" if source else ""), soft_wrap=True)
+                  + (f" · policy {source.label}" if source else ""), markup=False, soft_wrap=True)
         if token:
             out.print("Every page needs the access token: enter it on the page, or send "
-                      "'Authorization: Bearer TOKEN'.", soft_wrap=True)
-        out.print("Ctrl-C stops it.", style="dim")
+                      "'Authorization: Bearer TOKEN'.", markup=False, soft_wrap=True)
+        out.print("Ctrl-C stops it.", style="dim", markup=False)
         # No access log: a login URL carries the token. Forwarded headers are trusted from
         # loopback only (uvicorn's default), so a local TLS proxy can mark the cookie Secure.
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 server_header=False)
         uvicorn.Server(config).run(sockets=[listener])
     finally:
+        listener.close()
         store.close()
 
 
