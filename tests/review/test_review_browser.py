@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from review.conftest import DEMO_POLICY, IMG, SCRIPT, TOOL, serving
-from review.test_serve_cli import served_by_the_cli
+from review.helpers import DEMO_POLICY, IMG, SCRIPT, TOOL, served_by_the_cli, serving
 from toolguard.guard import REJECTION_TEMPLATE
 from toolguard.review import create_app
 from toolguard.store import GuardedStore

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from markupsafe import escape
 
-from review.conftest import DEMO_POLICY, IMG, REASON, SCRIPT, SVG, TOOL, fetch, serving
+from review.helpers import DEMO_POLICY, IMG, REASON, SCRIPT, SVG, TOOL, fetch, serving
 from toolguard.guard import REJECTION_TEMPLATE
 from toolguard.review import CONTENT_SECURITY_POLICY, create_app
 from toolguard.store import AuditEntry, GuardedStore, open_store

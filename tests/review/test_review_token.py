@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from review.conftest import fetch, serving
+from review.helpers import fetch, serving
 from toolguard.errors import ConfigurationError
 from toolguard.review import create_app
 from toolguard.review.security import COOKIE_NAME, TokenGate, cookie_value

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import sqlite3
-import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from review.conftest import DEMO_POLICY, fetch
+from review.helpers import DEMO_POLICY, fetch, served_by_the_cli
 from toolguard.cli import app
-
-URL_LINE = re.compile(r"toolguard review: (http://127\.0\.0\.1:\d+)/ \(read-only\)")
 
 
 @pytest.fixture
@@ -90,31 +83,6 @@ def test_without_the_review_extra_the_command_says_what_to_install(
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
     result = runner.invoke(app, ["serve", "--url", demo_home["url"]])
     assert result.exit_code == 2 and "pip install 'toolguard[review]'" in result.stderr
-
-
-@contextmanager
-def served_by_the_cli(*args: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """``python -m toolguard serve --port 0 ARGS``; yields its URL, stops it with SIGTERM."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "toolguard", "serve", "--port", "0", *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert process.stdout is not None
-        first = process.stdout.readline()
-        match = URL_LINE.search(first)
-        if match is None:
-            process.kill()
-            _, err = process.communicate(timeout=10)
-            pytest.fail(f"toolguard serve printed {first!r}; stderr: {err}")
-        yield match.group(1), process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def test_the_command_serves_the_demo_and_stops_cleanly(demo_home: dict) -> None:
