@@ -145,9 +145,10 @@ URL_LINE = re.compile(r"toolguard review: (http://127\.0\.0\.1:\d+)/ \(read-only
 
 
 @contextlib.contextmanager
-def served_by_the_cli(*args: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+def served_by_the_cli(*args: str, env: Mapping[str, str] | None = None
+                      ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """``python -m toolguard serve --port 0 ARGS``; yields its URL, stops it with SIGTERM."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "toolguard", "serve", "--port", "0", *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

@@ -96,10 +96,12 @@ def test_the_command_serves_the_demo_and_stops_cleanly(demo_home: dict) -> None:
         assert process.returncode in (0, -signal.SIGTERM) and "Traceback" not in err, err
 
 
-def test_the_command_with_a_token_requires_it(demo_home: dict) -> None:
+def test_the_command_takes_the_store_and_the_token_from_the_environment(demo_home: dict) -> None:
     token = "cli-token-abcdefghijklmnop"
-    with served_by_the_cli("--url", demo_home["url"], "--token", token) as (base, process):
+    env = {"TOOLGUARD_DATABASE_URL": demo_home["url"], "TOOLGUARD_REVIEW_TOKEN": token}
+    with served_by_the_cli(env=env) as (base, process):
         assert fetch(base).status == 401
-        assert fetch(base, headers={"Authorization": f"Bearer {token}"}).status == 200
+        page = fetch(base, headers={"Authorization": f"Bearer {token}"})
+        assert page.status == 200 and "stale_fencing_token" in page.body
         assert process.stdout is not None
         assert "needs the access token" in process.stdout.readline()
