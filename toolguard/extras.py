@@ -27,6 +27,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "http": ("httpx",),
     "asgi": ("starlette",),
     "mcp": ("fastmcp", "mcp"),
+    "review": ("starlette", "jinja2", "uvicorn"),
 }
 
 

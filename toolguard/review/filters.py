@@ -1,0 +1,116 @@
+"""The page's filters: query parameters in, ``AuditFilters`` (the CLI's own) out.
+
+The page shows rejected intents unless asked otherwise (``?decision=all``
+shows everything); every other filter means what the same ``toolguard audit``
+option means, times included (``since=2h``, ``until=2025-01-31``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from urllib.parse import urlencode
+
+from toolguard.cli._common import parse_moment
+from toolguard.cli.audit import DECISIONS, AuditFilters
+
+__all__ = ["DEFAULT_DECISION", "DEFAULT_LIMIT", "MAX_LIMIT", "PARAMS", "PageFilters", "parse_filters"]
+
+DEFAULT_DECISION = "rejected"
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 5000
+#: Query parameters the page understands, in the order its links write them.
+PARAMS = ("decision", "tool", "agent", "reason", "key", "workflow", "since", "until", "limit")
+_MULTI = ("decision", "tool", "agent", "reason")
+_MAX_VALUE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class PageFilters:
+    """What the visitor asked for: the store filters, as typed, and what was wrong with them."""
+
+    filters: AuditFilters
+    #: The raw values, to refill the form and build links (``decision`` may hold "all").
+    values: Mapping[str, tuple[str, ...]]
+    limit: int = DEFAULT_LIMIT
+    errors: tuple[str, ...] = ()
+
+    @property
+    def decisions(self) -> tuple[str, ...]:
+        """The decisions shown; () for all of them."""
+        return self.filters.decision
+
+    def without_decision(self) -> AuditFilters:
+        """The same filters over every decision (for the counts per decision)."""
+        return replace(self.filters, decision=())
+
+    def value(self, name: str) -> str:
+        """The first value of ``name`` as typed ("" if none), for the form."""
+        return next(iter(self.values.get(name, ())), "")
+
+    def url(self, path: str = "/", **changes: str | Sequence[str] | None) -> str:
+        """``path`` with these filters, some changed (None drops one), as a query string."""
+        values: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in self.values.items()}
+        for name, value in changes.items():
+            if value is None:
+                values.pop(name, None)
+            else:
+                values[name] = (value,) if isinstance(value, str) else tuple(value)
+        pairs = [(name, item) for name in PARAMS for item in values.get(name, ()) if item != ""]
+        return f"{path}?{urlencode(pairs)}" if pairs else path
+
+
+def parse_filters(query: Mapping[str, Sequence[str]]) -> PageFilters:
+    """Read the query parameters; a bad value is reported in ``errors`` and left out."""
+    values: dict[str, tuple[str, ...]] = {}
+    for name in PARAMS:
+        raw = [item.strip()[:_MAX_VALUE] for item in query.get(name, ())]
+        if name not in _MULTI:
+            raw = raw[:1]
+        values[name] = tuple(item for item in raw if item)
+    errors: list[str] = []
+
+    if "decision" not in query:
+        decisions: tuple[str, ...] = (DEFAULT_DECISION,)
+        values["decision"] = decisions
+    elif "all" in values["decision"] or not values["decision"]:
+        decisions = ()
+        values["decision"] = ("all",)
+    else:
+        decisions = tuple(dict.fromkeys(d.lower() for d in values["decision"]))
+        wrong = [d for d in decisions if d not in DECISIONS]
+        if wrong:
+            errors.append(f"decision {wrong[0]!r} is not one of {', '.join(DECISIONS)} (or all)")
+            decisions = tuple(d for d in decisions if d in DECISIONS)
+
+    moments: dict[str, datetime | None] = {"since": None, "until": None}
+    for name in moments:
+        if values[name]:
+            try:
+                moments[name] = parse_moment(values[name][0])
+            except ValueError as error:
+                errors.append(f"{name}: {error}")
+    since, until = moments["since"], moments["until"]
+    if since and until and since >= until:
+        errors.append("since is not before until: nothing can match")
+
+    limit = DEFAULT_LIMIT
+    if values["limit"]:
+        try:
+            limit = int(values["limit"][0])
+            if not 1 <= limit <= MAX_LIMIT:
+                raise ValueError
+        except ValueError:
+            errors.append(f"limit must be a whole number from 1 to {MAX_LIMIT}")
+            limit = DEFAULT_LIMIT
+
+    filters = AuditFilters(decision=decisions, reason=values["reason"], tool=values["tool"],
+                           agent=values["agent"], key=_one(values["key"]),
+                           workflow=_one(values["workflow"]), since=since, until=until)
+    return PageFilters(filters=filters, values=values, limit=limit, errors=tuple(errors))
+
+
+def _one(items: tuple[str, ...]) -> str | None:
+    return items[0] if items else None
+
