@@ -14,6 +14,7 @@ counts of every run the CI test makes.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -118,6 +119,10 @@ def fetch(folder: Path) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                "--disable-pip-version-check", "--quiet", "--dest", str(download),
                f"{PACKAGE}=={version}"]
+    if importlib.util.find_spec("hatchling") is not None:
+        # pip prepares the sdist's metadata with its build backend; with hatchling
+        # installed it need not fetch one into an isolated build environment first.
+        command.append("--no-build-isolation")
     done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     archives = sorted(download.glob("*.tar.gz"))
     if done.returncode != 0 or not archives:
