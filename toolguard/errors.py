@@ -214,13 +214,24 @@ def _control_flow_types() -> tuple[type[BaseException], ...]:
     return (GraphBubbleUp,)
 
 
+def _is_invalid_resume(error: BaseException) -> bool:
+    try:
+        from langgraph.errors import is_invalid_resume
+    except ImportError:  # langgraph before 1.2 never marks resume errors
+        return False
+    return is_invalid_resume(error)
+
+
 def is_control_flow(error: BaseException) -> bool:
     """True for exceptions that must pass through untouched after locks are released.
 
-    Cancellation, interpreter exit, and LangGraph's ``GraphBubbleUp`` (an
-    ``interrupt()`` or a parent-graph command): the call's outcome is unknown
-    until its idempotency key is seen again.
+    Cancellation, interpreter exit, LangGraph's ``GraphBubbleUp`` (an
+    ``interrupt()`` or a parent-graph command), and a resume value that did not
+    match its interrupt's ``response_schema`` (LangGraph marks that
+    ``ValidationError`` with ``is_invalid_resume``: the run must fail so the
+    interrupt can be answered again). The call's outcome is unknown until its
+    idempotency key is seen again.
     """
     if not isinstance(error, Exception):
         return True
-    return isinstance(error, _control_flow_types())
+    return isinstance(error, _control_flow_types()) or _is_invalid_resume(error)

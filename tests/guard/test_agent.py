@@ -48,7 +48,7 @@ def test_create_agent_middleware_serializes_and_refuses(harness, mode: str) -> N
     assert out["messages"][-1].content == "done"
     answers = tool_messages(out["messages"])
     assert all(answers[cid].status == "success" for _, _, cid in on_a)
-    reasons = {cid: answers[cid].additional_kwargs["toolguard"]["reason"] for _, _, cid in refused}
+    reasons = {cid: answers[cid].response_metadata["toolguard"]["reason"] for _, _, cid in refused}
     assert reasons == {"c-type": "invalid_arguments", "c-denied": "not_authorized",
                        "c-unknown": "unknown_tool"}
     assert all(answers[cid].status == "error" for _, _, cid in refused)

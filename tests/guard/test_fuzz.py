@@ -26,7 +26,8 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
-from langgraph.prebuilt.tool_node import ToolCallRequest
+from langgraph.prebuilt.tool_node import ToolCallRequest, ToolInvocationError
+from pydantic import ValidationError
 
 from guard.harness import Harness
 from guard.tools import EFFECT, READ, UPSERT
@@ -221,10 +222,20 @@ def test_langgraph_wrapper_survives_hostile_calls(harness) -> None:
     tools = {tool.name: tool for tool in lead_tools(recorder)}
     calls = GuardedToolCalls(h.guard, agent="scorer")
     threads = itertools.count()
+    tool_errors: list[Exception] = []
 
-    def execute(request: ToolCallRequest) -> ToolMessage:  # what ToolNode does, minus injection
+    def execute(request: ToolCallRequest) -> ToolMessage:
+        """What ToolNode's execute does with its default handler, minus injection."""
         assert request.tool is not None
-        return request.tool.invoke({**request.tool_call, "type": "tool_call"})
+        call = request.tool_call
+        try:
+            return request.tool.invoke({**call, "type": "tool_call"})
+        except ValidationError as error:  # the tool's own schema refused: ToolNode answers
+            text = ToolInvocationError(call["name"], error, call["args"]).message
+            return ToolMessage(text, tool_call_id=call["id"], name=call["name"], status="error")
+        except Exception as error:  # the default handler lets the tool's own errors through
+            tool_errors.append(error)
+            raise
 
     @settings(FUZZ, max_examples=examples(h))
     @given(call=tool_calls())
@@ -235,9 +246,15 @@ def test_langgraph_wrapper_survives_hostile_calls(harness) -> None:
         request = ToolCallRequest(tool_call=call, tool=tools.get(call["name"]), state={},
                                   runtime=runtime)  # type: ignore[arg-type]
         audits, effects = snapshot(h)
+        tool_errors.clear()
         try:
             answer = calls.wrap_tool_call(request, execute)
         except BaseException as error:
+            if tool_errors and error is tool_errors[-1]:  # the tool's own failure goes on unchanged
+                assert snapshot(h) == (audits + 1, effects), "audited once, changed nothing"
+                assert last_audit(h) == ("failed", "error")
+                recorder.outcomes["tool_raised"] += 1
+                return
             raise AssertionError(f"{type(error).__name__} escaped the adapter: {error}") from error
 
         assert isinstance(answer, ToolMessage)
@@ -253,7 +270,7 @@ def test_langgraph_wrapper_survives_hostile_calls(harness) -> None:
             assert new_effects == effects + 1
         else:
             assert decision in ("rejected", "failed"), decision
-            assert reason == answer.additional_kwargs["toolguard"]["reason"]
+            assert reason == answer.response_metadata["toolguard"]["reason"]
             assert new_effects == effects, "a refused call changes nothing"
         assert h.scores() == recorder.expected
 

@@ -151,15 +151,19 @@ def spy_grants(h: Harness, granted: dict[str, threading.Event]) -> None:
 
 
 REJECTED_CALLS = [
-    # (tool, args, call id, reason the model must read)
-    ("reassign_lead", {"lead_id": "a", "owner": "mallory"}, "c-denied", "not_authorized"),
-    ("add_score", {"lead_id": "a", "delta": "7"}, "c-type", "invalid_arguments"),
-    ("add_score", {"lead_id": "a", "delta": 1, "admin": True}, "c-extra", "invalid_arguments"),
-    ("add_score", {"lead_id": "a", "delta": 1000}, "c-range", "invalid_arguments"),
-    ("add_score", {"lead_id": "a"}, "c-missing", "invalid_arguments"),
-    ("add_score", {"lead_id": {"$ne": None}, "delta": 1}, "c-object", "invalid_arguments"),
-    ("add_score", {"lead_id": "a", "delta": 1.5}, "c-float", "invalid_arguments"),
-    ("drop_tables", {"confirm": True}, "c-unknown", "unknown_tool"),
+    # (tool, args, call id, reason audited, who words the answer). Arguments that
+    # the tool's own schema refuses too get ToolNode's own answer.
+    ("reassign_lead", {"lead_id": "a", "owner": "mallory"}, "c-denied", "not_authorized",
+     "toolguard"),
+    ("add_score", {"lead_id": "a", "delta": "7"}, "c-type", "invalid_arguments", "toolguard"),
+    ("add_score", {"lead_id": "a", "delta": 1, "admin": True}, "c-extra", "invalid_arguments",
+     "toolguard"),
+    ("add_score", {"lead_id": "a", "delta": 1000}, "c-range", "invalid_arguments", "toolguard"),
+    ("add_score", {"lead_id": "a"}, "c-missing", "invalid_arguments", "toolnode"),
+    ("add_score", {"lead_id": {"$ne": None}, "delta": 1}, "c-object", "invalid_arguments",
+     "toolnode"),
+    ("add_score", {"lead_id": "a", "delta": 1.5}, "c-float", "invalid_arguments", "toolnode"),
+    ("drop_tables", {"confirm": True}, "c-unknown", "unknown_tool", "toolnode"),
 ]
 
 
@@ -175,12 +179,16 @@ def test_refused_calls_come_back_as_error_messages_and_change_nothing(harness, m
     assert out["messages"][-1].content == "done"  # the graph went on to the model's next turn
     answers = tool_messages(out["messages"])
     assert answers["c-ok"].status == "success" and answers["c-ok"].content == "a=5"
-    for name, _, call_id, reason in REJECTED_CALLS:
+    for name, _, call_id, reason, wording in REJECTED_CALLS:
         message = answers[call_id]
         assert message.status == "error", call_id
         assert message.name == name
-        assert reason in message.content, (call_id, message.content)
-        assert message.additional_kwargs["toolguard"]["reason"] == reason
+        if wording == "toolguard":
+            assert f"rejected by toolguard ({reason})" in message.content, (call_id, message.content)
+        else:
+            assert message.content.startswith("Error"), (call_id, message.content)
+            assert "toolguard" not in message.content, (call_id, message.content)
+        assert message.response_metadata["toolguard"]["reason"] == reason
         assert h.decisions(call_id) == [("rejected", reason)]
     assert h.scores() == {"a": 5}
     assert [(row[0], row[3]) for row in h.effects()] == [("add_score", "c-ok")]
@@ -202,6 +210,6 @@ def test_agent_identity_comes_from_run_metadata(harness, mode: str) -> None:
                  {"metadata": {"toolguard_agent": "router"}})
 
     answers = tool_messages(out["messages"])
-    assert answers["c1"].additional_kwargs["toolguard"]["reason"] == "not_authorized"
+    assert answers["c1"].response_metadata["toolguard"]["reason"] == "not_authorized"
     assert answers["c2"].status == "success"
     assert [e.agent for e in h.audit(intent_id="c2")] == ["router"]

@@ -46,7 +46,7 @@ def test_guarded_langchain_tools_in_a_plain_tool_node(harness, mode: str) -> Non
 
     answers = tool_messages(out["messages"])
     assert all(answers[cid].status == "success" for _, _, cid in calls)
-    assert {cid: answers[cid].additional_kwargs["toolguard"]["reason"]
+    assert {cid: answers[cid].response_metadata["toolguard"]["reason"]
             for _, _, cid in refused} == {"c-range": "invalid_arguments",
                                            "c-denied": "not_authorized"}
     assert lead_tools.probe.peak["a"] == 1

@@ -2,7 +2,10 @@
 
 Each turns a call into an ``Intent``, runs it through ``ToolGuard``, and turns
 the ``Decision`` back into what its caller expects: a return value or a typed
-error for Python, an error ``ToolMessage`` naming the reason for a model.
+error for Python, an error ``ToolMessage`` naming the reason for a model. The
+LangChain and LangGraph adapters are transparent otherwise: the tool's own
+answer, or its exception, comes back unchanged, with the decision under
+``response_metadata["toolguard"]``.
 
 The plain-function adapter needs nothing but toolguard; the LangChain and
 LangGraph ones are loaded on first use and need the ``langgraph`` extra.

@@ -1,31 +1,91 @@
-"""Turning guard decisions into what a LangChain/LangGraph caller reads."""
+"""Turning guard decisions into what a LangChain/LangGraph caller reads, and tool answers into records.
+
+A tool's answer passes through unchanged: same content, id, artifact, status,
+``Command`` update and ``goto``. toolguard only adds its decision under
+``response_metadata["toolguard"]`` of the ToolMessage that answers the call
+(``decision``, ``reason``, ``idempotency_key``, ``keys``, ``tokens``). That is
+the one place that can never collide with the tool's own data: ``artifact``
+belongs to the tool, ``additional_kwargs`` may be sent to a provider, and chat
+model integrations never send ``response_metadata`` of a ToolMessage to the
+model, so lock keys and fencing tokens stay out of the prompt.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from langchain_core.messages import ToolMessage
+from langgraph.prebuilt.tool_node import INVALID_TOOL_NAME_ERROR_TEMPLATE
 from langgraph.types import Command
 
 from toolguard.guard import Decision, ToolFailed
 
-__all__ = ["error_message", "recordable", "replayed_message"]
+__all__ = [
+    "METADATA_KEY",
+    "annotate",
+    "decision_metadata",
+    "recordable",
+    "refusal_message",
+    "replayed_message",
+    "terminating_message",
+    "unknown_tool_message",
+]
+
+#: The key under ``ToolMessage.response_metadata`` that holds toolguard's decision.
+METADATA_KEY = "toolguard"
 
 
-def recordable(output: Any) -> Any:
-    """What the idempotency record keeps of a tool's output (JSON), or raise if it failed."""
-    message = output
-    if isinstance(output, Command):
-        messages = (output.update or {}).get("messages", []) if isinstance(output.update, dict) \
-            else []
-        message = next((m for m in messages if isinstance(m, ToolMessage)), None)
-        if message is None:
-            return {"command": True}
-    if isinstance(message, ToolMessage):
+def decision_metadata(decision: Decision) -> dict[str, Any]:
+    """What the caller may know about a decision (never shown to the model)."""
+    return {"decision": decision.kind, "reason": decision.reason,
+            "idempotency_key": decision.idempotency_key, "keys": list(decision.keys),
+            "tokens": dict(decision.tokens)}
+
+
+def terminating_message(output: Any, call_id: str | None) -> ToolMessage | None:
+    """The ToolMessage that answers call ``call_id`` in a tool's output, if there is one.
+
+    ``output`` is what ToolNode's ``execute`` returns: a ToolMessage, a
+    ``Command`` whose update holds it, or a list of both.
+    """
+    if isinstance(output, ToolMessage):
+        return output
+    for message in _messages_in(output):
+        if call_id is None or message.tool_call_id == call_id:
+            return message
+    return None
+
+
+def _messages_in(output: Any) -> Iterable[ToolMessage]:
+    if isinstance(output, ToolMessage):
+        yield output
+    elif isinstance(output, Command):
+        update = output.update
+        values = update.values() if isinstance(update, Mapping) else [update]
+        for value in values:
+            if isinstance(value, list | tuple):
+                yield from (m for m in value if isinstance(m, ToolMessage))
+    elif isinstance(output, list | tuple):
+        for item in output:
+            yield from _messages_in(item)
+
+
+def recordable(output: Any, call_id: str | None) -> Any:
+    """What the idempotency record keeps of a tool's answer (JSON); ``ToolFailed`` if it failed.
+
+    An answer with ``status="error"`` is a failure: the guard rolls the
+    transaction back and records it, and the adapter hands the answer on as it was.
+    """
+    message = terminating_message(output, call_id)
+    if message is not None:
         if message.status == "error":
             raise ToolFailed(f"the tool reported an error: {_content_text(message.content)}")
         return {"content": message.content}
+    if isinstance(output, Command | list):
+        return {"command": True}
     try:
         json.dumps(output)
     except (TypeError, ValueError):
@@ -37,20 +97,68 @@ def _content_text(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content, default=str)
 
 
-def replayed_message(decision: Decision, call: Any) -> ToolMessage:
+def annotate(output: Any, call_id: str | None, decision: Decision) -> Any:
+    """``output`` with the decision under ``response_metadata["toolguard"]`` of its answering message.
+
+    The message is copied, never changed in place (a tool or a cache may hand
+    out the same object twice); everything else stays as the tool returned it.
+    """
+    target = terminating_message(output, call_id)
+    if target is None:
+        return output
+    metadata = decision_metadata(decision)
+    replacement = target.model_copy(update={
+        "response_metadata": {**target.response_metadata, METADATA_KEY: metadata}})
+    return _replace(output, target, replacement)
+
+
+def _replace(output: Any, target: ToolMessage, replacement: ToolMessage) -> Any:
+    if output is target:
+        return replacement
+    if isinstance(output, Command):
+        update = output.update
+        if isinstance(update, Mapping):
+            new_update: Any = {key: _replace_in(value, target, replacement)
+                               for key, value in update.items()}
+        else:
+            new_update = _replace_in(update, target, replacement)
+        return dataclasses.replace(output, update=new_update)
+    if isinstance(output, list):
+        return [_replace(item, target, replacement) for item in output]
+    return output
+
+
+def _replace_in(value: Any, target: ToolMessage, replacement: ToolMessage) -> Any:
+    if isinstance(value, list):
+        return [replacement if item is target else item for item in value]
+    if isinstance(value, tuple):
+        return tuple(replacement if item is target else item for item in value)
+    return value
+
+
+def replayed_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage:
     """The recorded result of an intent that already ran, as the model saw it the first time."""
     recorded = decision.result if isinstance(decision.result, dict) else {"content": decision.result}
     content = recorded.get("content", "")
     if not isinstance(content, str | list):
         content = json.dumps(content, default=str)
-    return ToolMessage(content=content, tool_call_id=str(call.get("id") or ""),
-                       name=str(call.get("name") or ""), status="success")
+    return ToolMessage(content=content, tool_call_id=_text(call.get("id")),
+                       name=_text(call.get("name")), status="success")
 
 
-def error_message(decision: Decision, call: Any) -> ToolMessage:
+def refusal_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage:
     """An error ``ToolMessage`` naming the reason: the graph goes on, the model reads why."""
-    return ToolMessage(content=decision.model_text(), tool_call_id=str(call.get("id") or ""),
-                       name=str(call.get("name") or ""), status="error",
-                       additional_kwargs={"toolguard": {"decision": decision.kind,
-                                                        "reason": decision.reason}})
+    return ToolMessage(content=decision.model_text(), tool_call_id=_text(call.get("id")),
+                       name=_text(call.get("name")), status="error")
 
+
+def unknown_tool_message(call: Mapping[str, Any], tool_names: Iterable[str]) -> ToolMessage:
+    """ToolNode's own answer to a tool it does not have (it names the valid ones)."""
+    content = INVALID_TOOL_NAME_ERROR_TEMPLATE.format(requested_tool=call.get("name"),
+                                                      available_tools=", ".join(tool_names))
+    return ToolMessage(content, name=_text(call.get("name")), tool_call_id=_text(call.get("id")),
+                       status="error")
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)

@@ -7,12 +7,15 @@ from typing import Any
 from langchain_core.messages import ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
-from pydantic import ConfigDict
+from pydantic import ConfigDict, PrivateAttr
 
-from toolguard.adapters._messages import error_message, recordable, replayed_message
+from toolguard.adapters._messages import annotate, refusal_message, replayed_message
+from toolguard.adapters._outcome import ToolOutcome
+from toolguard.adapters._tools import InjectedKeys, model_arguments, tool_refuses
 from toolguard.adapters.identity import intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
+from toolguard.intent import Intent
 
 __all__ = ["GuardedTool", "guard_tool"]
 
@@ -21,9 +24,13 @@ class GuardedTool(BaseTool):
     """Wraps ``inner``: every invocation goes through the guard first.
 
     Invoked with a tool call (``{"name", "args", "id", "type": "tool_call"}``)
-    it answers with a ``ToolMessage`` (an error one when refused); invoked with
-    plain arguments it returns the tool's output or raises ``ToolException``
-    naming the reason. The agent identity is ``agent``, else the run's
+    it answers as ``inner`` does, with the decision under
+    ``response_metadata["toolguard"]``; a refusal is an error ``ToolMessage``
+    naming the reason. Invoked with plain arguments it returns the tool's
+    output, or raises ``ToolException`` naming the reason of a refusal.
+    Whatever ``inner`` raises (a tool error its ``handle_tool_error`` does not
+    handle, invalid arguments its own schema refuses) is recorded as failed
+    and raised unchanged. The agent identity is ``agent``, else the run's
     metadata ``toolguard_agent``.
     """
 
@@ -32,62 +39,82 @@ class GuardedTool(BaseTool):
     inner: BaseTool
     guard: Any
     agent: str | None = None
+    metadata: bool = True
+    _injected: InjectedKeys = PrivateAttr(default_factory=InjectedKeys)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - invoke is overridden
         msg = "GuardedTool runs through invoke()"
         raise NotImplementedError(msg)
 
-    def _call(self, tool_input: Any, config: RunnableConfig | None) -> tuple[Any, dict[str, Any]]:
+    def _intent(self, tool_input: Any, config: RunnableConfig | None) -> tuple[Intent, dict[str, Any]]:
         config = config or {}
         is_call = isinstance(tool_input, dict) and tool_input.get("type") == "tool_call"
         call = tool_input if is_call else {"name": self.name, "args": tool_input, "id": None}
+        # ToolNode passes the values it injected (state, store, runtime) in the call's
+        # args: they are the host's, not the model's, and never part of the intent.
+        args = model_arguments(call.get("args", {}), self._injected.of(self.inner))
         agent = self.agent or (config.get("metadata") or {}).get("toolguard_agent")
-        intent = intent_from_call(call, agent=agent, config=config)
-        return intent, call
+        return intent_from_call({**call, "args": args}, agent=agent, config=config), call
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        intent, call = self._call(input, config)
-        produced: list[Any] = []
-
-        def run_tool(_: CallContext) -> Any:
-            output = self.inner.invoke(input, config, **kwargs)
-            produced.append(output)
-            return recordable(output)
-
-        return self._answer(self.guard.run(intent, run_tool), input, call, produced)
+        intent, call = self._intent(input, config)
+        outcome = ToolOutcome(_call_id(call))
+        decision = self.guard.run(intent, lambda _ctx: outcome.run(
+            lambda: self.inner.invoke(input, config, **kwargs)))
+        answer = self._answer(decision, input, call, intent, outcome)
+        if answer is _DELEGATE:
+            answer = self.inner.invoke(input, config, **kwargs)
+        return self._annotated(answer, call, decision)
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None,
                       **kwargs: Any) -> Any:
-        intent, call = self._call(input, config)
-        produced: list[Any] = []
+        intent, call = self._intent(input, config)
+        outcome = ToolOutcome(_call_id(call))
 
         async def run_tool(_: CallContext) -> Any:
-            output = await self.inner.ainvoke(input, config, **kwargs)
-            produced.append(output)
-            return recordable(output)
+            return await outcome.arun(lambda: self.inner.ainvoke(input, config, **kwargs))
 
-        return self._answer(await self.guard.arun(intent, run_tool), input, call, produced)
+        decision = await self.guard.arun(intent, run_tool)
+        answer = self._answer(decision, input, call, intent, outcome)
+        if answer is _DELEGATE:
+            answer = await self.inner.ainvoke(input, config, **kwargs)
+        return self._annotated(answer, call, decision)
 
-    @staticmethod
-    def _answer(decision: Decision, tool_input: Any, call: Any, produced: list[Any]) -> Any:
+    def _answer(self, decision: Decision, tool_input: Any, call: dict[str, Any], intent: Intent,
+                outcome: ToolOutcome) -> Any:
+        """The tool's own answer, toolguard's, or ``_DELEGATE`` (pure: no I/O)."""
+        if outcome.passes_on(decision):
+            return outcome.output
         is_call = call.get("id") is not None and isinstance(tool_input, dict) \
             and tool_input.get("type") == "tool_call"
-        if not decision.ok:
-            if is_call:
-                return error_message(decision, call)
-            raise ToolException(decision.model_text())
-        if decision.kind == "accepted" and produced:
-            return produced[-1]
-        message = replayed_message(decision, call)
-        return message if is_call else _plain(message)
+        if decision.ok:
+            message = replayed_message(decision, call)
+            return message if is_call else message.content
+        if decision.reason == "invalid_arguments" and tool_refuses(self.inner, intent.args):
+            return _DELEGATE
+        if is_call:
+            return refusal_message(decision, call)
+        raise ToolException(decision.model_text()) from decision.error
+
+    def _annotated(self, output: Any, call: dict[str, Any], decision: Decision) -> Any:
+        if not self.metadata or not isinstance(output, ToolMessage):
+            return output
+        return annotate(output, _call_id(call), decision)
 
 
-def _plain(message: ToolMessage) -> Any:
-    return message.content
+#: "Let the tool answer": its own schema refuses the arguments too, so it raises
+#: its ``ValidationError`` (or answers through ``handle_validation_error``) as always.
+_DELEGATE: Any = object()
 
 
-def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None) -> GuardedTool:
+def _call_id(call: dict[str, Any]) -> str | None:
+    call_id = call.get("id")
+    return call_id if isinstance(call_id, str) else None
+
+
+def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None,
+               metadata: bool = True) -> GuardedTool:
     """A guarded copy of ``tool`` (same name, description and argument schema)."""
     guard.register(tool.name, tool)
     return GuardedTool(name=tool.name, description=tool.description, args_schema=tool.args_schema,
-                       inner=tool, guard=guard, agent=agent)
+                       inner=tool, guard=guard, agent=agent, metadata=metadata)

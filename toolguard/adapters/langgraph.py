@@ -1,10 +1,15 @@
 """LangGraph ``ToolNode`` wrappers and a ``create_agent`` middleware.
 
 ``ToolNode(tools, wrap_tool_call=calls.wrap_tool_call, awrap_tool_call=calls.awrap_tool_call)``
-or ``create_agent(model, tools, middleware=[ToolGuardMiddleware(guard)])``. Every
-expected rejection comes back to the model as an error ``ToolMessage`` naming the
-reason; ``GraphBubbleUp`` (interrupts) passes through after the locks are
-released, so resuming re-runs the call and the idempotency record answers it.
+or ``create_agent(model, tools, middleware=[..., ToolGuardMiddleware(guard)])``.
+
+The wrapper is transparent: it changes what a ToolNode does only by refusing a
+call (an error ToolMessage naming the reason, audited) and by serializing and
+fencing the calls it accepts. Everything else comes out as ToolNode made it:
+the exceptions it lets through (after the failure is recorded), the messages
+``handle_tool_errors`` builds, ``Command`` and list returns, injection,
+streaming, interrupts and invalid resumes (re-raised after the locks are
+released, so resuming re-runs the call and the idempotency record answers it).
 """
 
 from __future__ import annotations
@@ -17,10 +22,18 @@ from langchain_core.messages import ToolMessage
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
-from toolguard.adapters._messages import error_message, recordable, replayed_message
+from toolguard.adapters._messages import (
+    annotate,
+    refusal_message,
+    replayed_message,
+    unknown_tool_message,
+)
+from toolguard.adapters._outcome import ToolOutcome
+from toolguard.adapters._tools import InjectedKeys, model_arguments, tool_refuses
 from toolguard.adapters.identity import agent_from_metadata, intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
+from toolguard.intent import Intent
 
 __all__ = ["AgentResolver", "GuardedToolCalls", "ToolGuardMiddleware", "agent_from_metadata"]
 
@@ -33,64 +46,105 @@ class GuardedToolCalls:
 
     ``agent`` is the identity the policy authorizes: a fixed name (one ToolNode
     per agent) or a function of the request (default: run metadata
-    ``toolguard_agent``, else the node name).
+    ``toolguard_agent``). ``metadata=False`` leaves the tool's answers without
+    ``response_metadata["toolguard"]``.
+
+    Put it innermost (directly around ToolNode's ``execute``, i.e. last in a
+    ``create_agent`` middleware list): then it guards every tool that really
+    runs, including one an interceptor above it substitutes, and a retry above
+    it gets a fresh decision and transaction per attempt.
     """
 
-    def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None) -> None:
+    def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
+                 metadata: bool = True) -> None:
         self.guard = guard
+        self.metadata = metadata
         self._agent = agent if callable(agent) else (lambda _r, name=agent: name) \
             if agent is not None else agent_from_metadata
+        self._injected = InjectedKeys()
 
-    def _intent(self, request: ToolCallRequest) -> Any:
-        if request.tool is not None and not self.guard.has_schema(request.tool.name):
-            self.guard.register(request.tool.name, request.tool)
+    def _intent(self, request: ToolCallRequest) -> Intent:
+        tool, call = request.tool, request.tool_call
+        args = call.get("args", {})
+        if tool is not None:
+            if not self.guard.has_schema(tool.name):
+                self.guard.register(tool.name, tool)
+            args = model_arguments(args, self._injected.of(tool))
         runtime = request.runtime
-        return intent_from_call(request.tool_call, agent=self._agent(request), runtime=runtime,
-                                config=getattr(runtime, "config", None))
+        return intent_from_call({**call, "args": args}, agent=self._agent(request),
+                                runtime=runtime, config=getattr(runtime, "config", None))
 
     def wrap_tool_call(self, request: ToolCallRequest,
                        execute: Callable[[ToolCallRequest], Output]) -> Output:
-        produced: list[Output] = []
-
-        def run_tool(_: CallContext) -> Any:
-            output = execute(request)
-            produced.append(output)
-            return recordable(output)
-
-        decision = self.guard.run(self._intent(request), run_tool)
-        return self._answer(decision, request, produced)
+        intent = self._intent(request)
+        outcome = ToolOutcome(_call_id(request))
+        decision = self.guard.run(intent, lambda _ctx: outcome.run(lambda: execute(request)))
+        answer = self._answer(decision, request, intent, outcome)
+        return self._annotated(execute(request) if answer is _DELEGATE else answer, outcome, decision)
 
     async def awrap_tool_call(self, request: ToolCallRequest,
                               execute: Callable[[ToolCallRequest], Awaitable[Output]]) -> Output:
-        produced: list[Output] = []
+        intent = self._intent(request)
+        outcome = ToolOutcome(_call_id(request))
 
         async def run_tool(_: CallContext) -> Any:
-            output = await execute(request)
-            produced.append(output)
-            return recordable(output)
+            return await outcome.arun(lambda: execute(request))
 
-        decision = await self.guard.arun(self._intent(request), run_tool)
-        return self._answer(decision, request, produced)
+        decision = await self.guard.arun(intent, run_tool)
+        answer = self._answer(decision, request, intent, outcome)
+        if answer is _DELEGATE:
+            answer = await execute(request)
+        return self._annotated(answer, outcome, decision)
 
     @staticmethod
-    def _answer(decision: Decision, request: ToolCallRequest, produced: list[Output]) -> Output:
-        if not decision.ok:
-            return error_message(decision, request.tool_call)
-        if decision.kind == "accepted" and produced:
-            return produced[-1]
-        return replayed_message(decision, request.tool_call)
+    def _answer(decision: Decision, request: ToolCallRequest, intent: Intent,
+                outcome: ToolOutcome) -> Any:
+        """The tool's own answer, toolguard's, or ``_DELEGATE`` (pure: no I/O)."""
+        if outcome.passes_on(decision):
+            return outcome.output
+        call, tool = request.tool_call, request.tool
+        if decision.ok:
+            return replayed_message(decision, call)
+        if decision.reason == "unknown_tool" and tool is None:
+            return unknown_tool_message(call, _tool_names(request))
+        if decision.reason == "invalid_arguments" and tool is not None \
+                and tool_refuses(tool, intent.args):
+            return _DELEGATE
+        return refusal_message(decision, call)
+
+    def _annotated(self, output: Any, outcome: ToolOutcome, decision: Decision) -> Any:
+        if not self.metadata:
+            return output
+        return annotate(output, outcome.call_id, decision)
+
+
+#: "Let ToolNode answer": the tool's own validation refuses the arguments too, so it
+#: cannot run, and ToolNode says what it always says (or raises ToolInvocationError).
+_DELEGATE: Any = object()
+
+
+def _call_id(request: ToolCallRequest) -> str | None:
+    call_id = request.tool_call.get("id")
+    return call_id if isinstance(call_id, str) else None
+
+
+def _tool_names(request: ToolCallRequest) -> list[str]:
+    tools = getattr(request.runtime, "tools", None) or []
+    return [str(getattr(tool, "name", tool)) for tool in tools]
 
 
 class ToolGuardMiddleware(AgentMiddleware):
     """``create_agent`` middleware guarding every tool call (sync and async).
 
-    List it after human-approval middleware and before tool-retry middleware:
-    the first middleware listed is the outermost.
+    The first middleware listed is the outermost: list toolguard last among
+    the tool-call middlewares (after human approval and tool retry), so it
+    sits directly around the tool's execution.
     """
 
-    def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None) -> None:
+    def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
+                 metadata: bool = True) -> None:
         super().__init__()
-        self.calls = GuardedToolCalls(guard, agent=agent)
+        self.calls = GuardedToolCalls(guard, agent=agent, metadata=metadata)
 
     def wrap_tool_call(self, request: ToolCallRequest,
                        handler: Callable[[ToolCallRequest], Output]) -> Output:

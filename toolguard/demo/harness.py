@@ -191,9 +191,9 @@ class Faults:
                 CALL.reset(token)
                 if stalled and self.granted is not None:
                     self.granted.set()  # e.g. replayed: it never took the lock
-            extra = getattr(output, "additional_kwargs", None) or {}
+            extra = getattr(output, "response_metadata", None) or {}
             verdict = extra.get("toolguard") if isinstance(extra, Mapping) else None
-            if verdict and verdict.get("decision") != "accepted":
+            if verdict and verdict.get("decision") not in ("accepted", "replayed"):
                 self.notify(DemoEvent("rejected", lead_id, agent=agent,
                                       detail=f"{tool}: {verdict.get('reason')}"))
             if (tool, lead_id) == CRASHES and self._first("crash", tool, lead_id):

@@ -262,7 +262,7 @@ class ScriptedAgentModel(BaseChatModel):
             result = results.get(call["id"])
             if result is None or result.status != "error":
                 continue
-            reason = (result.additional_kwargs.get("toolguard") or {}).get("reason")
+            reason = (result.response_metadata.get("toolguard") or {}).get("reason")
             if reason in RETRYABLE:
                 calls.append((call["name"], dict(call["args"])))
             elif reason == "invalid_arguments":
