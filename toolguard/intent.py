@@ -217,7 +217,7 @@ def _string_size(text: str, path: str, limits: Limits, *, what: str) -> int:
     if len(text) > limits.max_string:
         _reject(f"{path}: {what} longer than {limits.max_string}")
     try:
-        encoded = json.encoder.encode_basestring(text).encode("utf-8")  # type: ignore[attr-defined]
+        encoded = json.encoder.encode_basestring(text).encode("utf-8")
     except UnicodeEncodeError:
         _reject(f"{path}: {what} is not valid Unicode (lone surrogate)")
     return len(encoded)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -85,16 +86,19 @@ def check_constraints(tool: ToolPolicy, args: Args) -> None:
                 raise InvalidArguments(f"{where}: {problem}")
 
 
+_BOUNDS: tuple[tuple[str, Callable[[Any, Any], bool], str], ...] = (
+    ("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="),
+    ("lt", operator.lt, "<"))
+
+
 def _violation(rule: ArgConstraint, value: Any) -> str | None:
     kinds = rule.kinds
     if "number" in kinds:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return "must be a number"
-        for name, ok in (("ge", lambda b: value >= b), ("gt", lambda b: value > b),
-                         ("le", lambda b: value <= b), ("lt", lambda b: value < b)):
+        for name, holds, symbol in _BOUNDS:
             bound = getattr(rule, name)
-            if bound is not None and not ok(bound):
-                symbol = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[name]
+            if bound is not None and not holds(value, bound):
                 return f"must be {symbol} {bound}"
     if "string" in kinds:
         if not isinstance(value, str):

@@ -302,7 +302,8 @@ class Policy(BaseModel):
         """Build from plain data (e.g. parsed YAML/JSON); problems raise ``PolicyProblems``."""
         from toolguard.policies.loader import build_policy
 
-        locations = {(): Location(source)} if source else None
+        locations: dict[tuple[str | int, ...], Location] | None = (
+            {(): Location(source)} if source else None)
         return build_policy(data, locations, key_fn=key_fn)
 
     @field_validator("tools", mode="before")
