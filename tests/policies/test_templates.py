@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from toolguard.errors import InvalidArguments
 from toolguard.policies import KeyTemplate, escape_text, escape_value
-from toolguard.policies.templates import ESCAPED_ALPHABET
+from toolguard.policies.templates import ESCAPED_ALPHABET, MAX_VALUE_CHARS
 
 HOSTILE = ["a:b", "a", "b:c", "b", "c", "*", "{x}", "{", "}", "../", "..", "/", "\x00", "%", "%41",
            "A", "~i1", "1", "", " ", "\u0430", "\uff41", "\u00e9", "e\u0301", "\u200b", "lead:1", "~",
@@ -32,6 +32,19 @@ def test_scalars_are_type_tagged() -> None:
     assert escape_value(False) == "~f"
     assert escape_value(1.5) == "~d1%2E5"
     assert len({escape_value(v) for v in ("1", 1, True, 1.0)}) == 4
+
+
+def test_long_values_are_hashed_so_every_key_fits_an_index() -> None:
+    """A 4,096-character id (within the default limits) made a key PostgreSQL cannot index."""
+    template = KeyTemplate.parse("lead:{id}")
+    (long_key,) = template.render({"id": "x" * 4_096})
+    (other,) = template.render({"id": "x" * 4_095 + "y"})
+    (number,) = template.render({"id": 10 ** 300})
+    assert long_key.startswith("lead:~h") and len(long_key) == len("lead:~h") + 64
+    assert other != long_key and number.startswith("lead:~h") and number != long_key
+    (short,) = template.render({"id": "x" * (MAX_VALUE_CHARS - 1)})
+    assert short == "lead:" + "x" * (MAX_VALUE_CHARS - 1)  # short values are unchanged
+    assert escape_value("\u00e9" * 200).startswith("~h")  # 1,200 escaped characters
 
 
 @pytest.mark.parametrize("value", [None, [1], {"a": 1}, b"x"])
