@@ -15,14 +15,18 @@ __all__ = ["agent_from_metadata", "intent_from_call"]
 
 
 def intent_from_call(call: Any, *, agent: str | None, runtime: Any = None,
-                     config: Any = None) -> Intent:
+                     config: Any = None, origin: str = "model",
+                     expected_tool: str | None = None) -> Intent:
     """An ``Intent`` from a tool call plus whatever identity LangGraph exposes.
 
     Without a checkpointer LangGraph gives neither a thread nor a run id (unless
     the caller put ``run_id`` in the config). The superstep's checkpoint id then
     stands in for the run: it is the same on every ``RetryPolicy`` re-run of the
     node and new for every invocation, so a retried call still finds its
-    idempotency record.
+    idempotency record. ``origin="python"`` marks a direct call (not a model's
+    tool call); ``expected_tool`` names the one tool an adapter stands for.
+    Both are accepted here so adapters can pass them; the envelope rules that
+    use them come in the next commits.
     """
     configurable = dict((config or {}).get("configurable") or {})
     info = getattr(runtime, "execution_info", None)
