@@ -42,7 +42,8 @@ class GuardedTool(BaseTool):
         is_call = isinstance(tool_input, dict) and tool_input.get("type") == "tool_call"
         call = tool_input if is_call else {"name": self.name, "args": tool_input, "id": None}
         agent = self.agent or (config.get("metadata") or {}).get("toolguard_agent")
-        intent = intent_from_call(call, agent=agent, config=config)
+        intent = intent_from_call(call, agent=agent, config=config,
+                                  origin="model" if is_call else "python", expected_tool=self.name)
         return intent, call
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
@@ -70,8 +71,7 @@ class GuardedTool(BaseTool):
 
     @staticmethod
     def _answer(decision: Decision, tool_input: Any, call: Any, produced: list[Any]) -> Any:
-        is_call = call.get("id") is not None and isinstance(tool_input, dict) \
-            and tool_input.get("type") == "tool_call"
+        is_call = isinstance(tool_input, dict) and tool_input.get("type") == "tool_call"
         if not decision.ok:
             if is_call:
                 return error_message(decision, call)
