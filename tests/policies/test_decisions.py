@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from toolguard.errors import InvalidArguments, NotAuthorized, UnknownTool
+from toolguard.errors import (
+    GuardMisconfigured,
+    InvalidArguments,
+    MissingIdentity,
+    NotAuthorized,
+    UnknownTool,
+)
 from toolguard.intent import Intent, WorkflowIdentity
 from toolguard.policies import (
     REDACTED,
@@ -66,10 +72,12 @@ def test_authorize() -> None:
         authorize(score, "enricher")
     assert caught.value.reason == "not_authorized"
     assert caught.value.message == "agent 'enricher' may not call score (allowed: scorer)"
-    with pytest.raises(NotAuthorized, match="without an agent identity"):
+    with pytest.raises(MissingIdentity, match="without an agent identity") as missing:
         authorize(score, None)
-    authorize(POLICY.tools["tag"], None)  # "*" admits calls without identity too
+    assert missing.value.reason == "missing_identity"
     authorize(POLICY.tools["tag"], "anyone")
+    with pytest.raises(MissingIdentity):  # "*" is every identified agent, never "nobody"
+        authorize(POLICY.tools["tag"], None)
 
 
 GOOD_ARGS = {"lead_id": "L1", "owner": 7, "score": 50, "note": "ok", "stage": "won", "tags": ["a"],
@@ -143,6 +151,23 @@ def test_idempotency_key_default_and_custom() -> None:
     assert idempotency_key(intent, POLICY.tools["tag"], {"ids": ["a"]}) == "thread:t//c"
     assert idempotency_key(intent, POLICY.tools["tag"], {}, key_fn=lambda i: f"mine:{i.call_id}") == "mine:c"
     assert idempotency_key(Intent(tool="tag"), POLICY.tools["tag"], {}) is None
+
+
+def test_idempotency_key_is_bounded_and_a_broken_key_function_is_a_configuration_error() -> None:
+    intent = Intent(tool="tag", call_id="\U0001f600" * 256, workflow=WorkflowIdentity(thread_id="t"))
+    key = idempotency_key(intent, POLICY.tools["tag"], {})
+    assert key is not None and len(key.encode()) <= 512
+    with pytest.raises(GuardMisconfigured, match="returned int"):
+        idempotency_key(intent, POLICY.tools["tag"], {}, key_fn=lambda i: 7)  # type: ignore[arg-type,return-value]
+
+
+def test_the_tool_policy_narrows_the_scope_to_the_task() -> None:
+    policy = Policy.from_dict({"version": 1, "defaults": {"idempotency_scope": "task"}, "tools": {
+        "a": {"read_only": True}, "b": {"read_only": True, "idempotency_scope": "thread"}}})
+    flow = WorkflowIdentity(thread_id="t", checkpoint_ns="tools:task-1")
+    intent = Intent(tool="a", call_id="c", workflow=flow)
+    assert idempotency_key(intent, policy.tools["a"], {}) == "thread:t/tools%3Atask-1/c"
+    assert idempotency_key(intent, policy.tools["b"], {}) == "thread:t/tools/c"
 
 
 def test_redaction_of_nested_paths() -> None:
