@@ -427,3 +427,25 @@ def test_every_envelope_gets_exactly_one_audit_row(harness, adapter: str) -> Non
     # The strategies reached every step after the envelope too.
     assert {"applied", "invalid_intent", "missing_identity", "not_authorized",
             "invalid_arguments", "duplicate"} <= set(seen), seen
+
+
+@pytest.mark.parametrize("message", ["bad \x00 byte", "lone \ud800 surrogate", "e" * 10_000],
+                         ids=["nul", "surrogate", "long"])
+def test_a_tool_error_with_unstorable_text_is_still_audited_once(harness, message: str) -> None:
+    """The store audits a failed fenced write with the error's text: NUL (refused by
+    PostgreSQL), lone surrogates (not UTF-8) and a long text must not cost the decision
+    its row. (The stores already handled this; kept as a guard for the property.)"""
+    h: Harness = harness(POLICY)
+
+    @guarded(h.guard, agent="scorer")
+    def add_note(lead_id: str, text: str) -> str:
+        current().tx.execute(EFFECT, ("add_note", lead_id, 0, "c1", 1))
+        raise ValueError(message)
+
+    decision = add_note.run({"lead_id": "a", "text": "x"}, call_id="c1", thread_id="t")
+
+    assert (decision.kind, decision.reason) == ("failed", "error")
+    (entry,) = h.audit(intent_id="c1")
+    assert (entry.decision, entry.reason) == ("failed", "error")
+    assert entry.detail and len(entry.detail) <= 4_000
+    assert h.effects() == []

@@ -72,5 +72,5 @@ def agent_from_metadata(request: Any) -> Any:
 
 
 def _first(*values: Any) -> Any:
-    """The first value that is not None or empty text."""
-    return next((v for v in values if v is not None and v != ""), None)
+    """The first value that is not None or empty text (any other value is checked later)."""
+    return next((v for v in values if v is not None and not (type(v) is str and not v)), None)
