@@ -29,7 +29,7 @@ from toolguard.policies import Policy
 from toolguard.store import AuditEntry, GuardedStore, open_async_store, open_store
 from toolguard.store.base import qmark
 
-__all__ = ["KINDS", "Backend", "Harness", "LoopThread", "Probe", "wait_until"]
+__all__ = ["KINDS", "Backend", "Harness", "HarnessFactory", "LoopThread", "Probe", "wait_until"]
 
 KINDS = ("sqlite", "postgresql")
 
@@ -101,7 +101,7 @@ class Harness:
 
     def sql(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """One statement outside any fenced transaction (``%s`` placeholders on both stores)."""
-        with self.store.connection() as conn:  # type: ignore[attr-defined]
+        with self.store.connection() as conn:
             text = qmark(query) if self.backend.kind == "sqlite" else query
             cursor = conn.execute(text, tuple(params))
             return [tuple(row) for row in cursor.fetchall()] if cursor.description else []
@@ -112,7 +112,7 @@ class Harness:
     def effects(self, tool: str | None = None) -> list[tuple[str, str, int, str | None, int]]:
         """``(tool, lead, delta, call, token)`` per applied effect, in commit order."""
         rows = self.sql("SELECT tool, lead, delta, call, token FROM effect ORDER BY seq")
-        return [r for r in rows if tool is None or r[0] == tool]  # type: ignore[misc]
+        return [(r[0], r[1], r[2], r[3], r[4]) for r in rows if tool is None or r[0] == tool]
 
     def audit(self, **filters: Any) -> list[AuditEntry]:
         """Audit rows, oldest first."""
@@ -148,6 +148,10 @@ class Harness:
         with contextlib.suppress(Exception):
             self.locks.close()
         self.store.close()
+
+
+#: The ``harness`` fixture: ``harness(policy, **options) -> Harness``.
+HarnessFactory = Callable[..., "Harness"]
 
 
 class LoopThread:

@@ -25,7 +25,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import StructuredTool
 from servers import free_port
 
-from guard.harness import Harness
+from guard.harness import Harness, HarnessFactory
 from guard.tools import (
     EFFECT,
     LEAD_POLICY,
@@ -46,6 +46,7 @@ from toolguard.errors import (
 from toolguard.guard import ToolGuard
 from toolguard.locks import connect
 from toolguard.policies import Policy
+from toolguard.store import AuditEntry
 
 CALL = ("add_score", {"lead_id": "a", "delta": 1}, "c1")
 
@@ -57,7 +58,7 @@ def configuration_rows(h: Harness) -> list[tuple[str, str]]:
 # --- the async path without async backends -------------------------------------------------
 
 
-def test_a_sync_only_guard_under_ainvoke_raises_to_the_developer(harness) -> None:
+def test_a_sync_only_guard_under_ainvoke_raises_to_the_developer(harness: HarnessFactory) -> None:
     h: Harness = harness(LEAD_POLICY)
     tools = LeadTools()
     calls = GuardedToolCalls(h.guard, agent="scorer")
@@ -71,7 +72,7 @@ def test_a_sync_only_guard_under_ainvoke_raises_to_the_developer(harness) -> Non
     assert tools.probe.runs == {} and h.scores() == {}
 
 
-def test_the_middleware_and_guarded_tools_raise_too(harness) -> None:
+def test_the_middleware_and_guarded_tools_raise_too(harness: HarnessFactory) -> None:
     h: Harness = harness(LEAD_POLICY)
     tools = LeadTools()
     agent = create_agent(scripted(calls_message(CALL), AIMessage(content="done")), tools.tools(),
@@ -89,7 +90,7 @@ def test_the_middleware_and_guarded_tools_raise_too(harness) -> None:
     assert tools.probe.runs == {}
 
 
-def test_an_async_only_guard_under_invoke_raises(harness) -> None:
+def test_an_async_only_guard_under_invoke_raises(harness: HarnessFactory) -> None:
     h: Harness = harness(LEAD_POLICY)
 
     async def main() -> None:
@@ -112,7 +113,7 @@ def test_an_async_only_guard_under_invoke_raises(harness) -> None:
 # --- a sync tool body on the async path -------------------------------------------------------
 
 
-def test_a_sync_tool_on_the_async_path_raises_a_clear_error(harness) -> None:
+def test_a_sync_tool_on_the_async_path_raises_a_clear_error(harness: HarnessFactory) -> None:
     h: Harness = harness(LEAD_POLICY)
 
     def add_score(lead_id: str, delta: int) -> str:
@@ -141,7 +142,7 @@ def test_a_sync_tool_on_the_async_path_raises_a_clear_error(harness) -> None:
     assert h.effects() == []
 
 
-def test_an_async_tool_using_the_sync_name_is_told_which_one_to_use(harness) -> None:
+def test_an_async_tool_using_the_sync_name_is_told_which_one_to_use(harness: HarnessFactory) -> None:
     h: Harness = harness(LEAD_POLICY)
 
     @guarded(h.guard, agent="scorer")
@@ -163,7 +164,7 @@ def test_an_async_tool_using_the_sync_name_is_told_which_one_to_use(harness) -> 
 # --- construction ----------------------------------------------------------------------------
 
 
-def test_a_guard_without_backends_fails_at_construction(harness) -> None:
+def test_a_guard_without_backends_fails_at_construction(harness: HarnessFactory) -> None:
     h: Harness = harness(LEAD_POLICY)
     with pytest.raises(GuardMisconfigured, match="needs locks= and store="):
         ToolGuard(h.policy)
@@ -174,7 +175,7 @@ def test_a_guard_without_backends_fails_at_construction(harness) -> None:
     assert issubclass(GuardMisconfigured, ConfigurationError)
 
 
-def test_a_function_the_policy_does_not_know_warns_at_decoration(harness) -> None:
+def test_a_function_the_policy_does_not_know_warns_at_decoration(harness: HarnessFactory) -> None:
     h: Harness = harness(LEAD_POLICY)
 
     with pytest.warns(UnknownToolWarning, match="every call to it will be refused") as record:
@@ -205,8 +206,8 @@ def test_a_function_the_policy_does_not_know_warns_at_decoration(harness) -> Non
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
-def test_an_unreachable_lock_server_reaches_the_model_as_a_short_safe_text(harness,
-                                                                          caplog) -> None:
+def test_an_unreachable_lock_server_reaches_the_model_as_a_short_safe_text(
+        harness: HarnessFactory, caplog: pytest.LogCaptureFixture) -> None:
     h: Harness = harness(LEAD_POLICY)
     port = free_port()
     dead = connect(f"redis://127.0.0.1:{port}/0", timeout_s=1)
@@ -232,7 +233,7 @@ def test_an_unreachable_lock_server_reaches_the_model_as_a_short_safe_text(harne
     dead.close()
 
 
-def test_refusals_keep_their_reason_in_the_model_text(harness) -> None:
+def test_refusals_keep_their_reason_in_the_model_text(harness: HarnessFactory) -> None:
     h: Harness = harness(LEAD_POLICY)
 
     @guarded(h.guard, agent="scorer")
@@ -248,15 +249,15 @@ def test_refusals_keep_their_reason_in_the_model_text(harness) -> None:
     assert "hunter2" in (h.audit(intent_id="c2")[0].detail or "")
 
 
-def test_when_the_store_is_what_failed_the_decision_stands_and_the_log_says_so(harness,
-                                                                               caplog) -> None:
+def test_when_the_store_is_what_failed_the_decision_stands_and_the_log_says_so(
+        harness: HarnessFactory, caplog: pytest.LogCaptureFixture) -> None:
     h: Harness = harness(LEAD_POLICY)
 
     @guarded(h.guard, agent="scorer")
     def add_score(lead_id: str, delta: int) -> int:
         return delta
 
-    def refuse(entry: object) -> object:
+    def refuse(entry: AuditEntry) -> AuditEntry:
         raise BackendUnavailable("store: connection refused")
 
     h.store.audit = refuse  # type: ignore[method-assign]

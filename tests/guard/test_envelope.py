@@ -25,7 +25,7 @@ from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
 from langgraph.prebuilt.tool_node import ToolCallRequest
 
-from guard.harness import Harness, LoopThread
+from guard.harness import Harness, HarnessFactory, LoopThread
 from guard.test_fuzz import FUZZ, snapshot
 from guard.tools import EFFECT
 from toolguard.adapters import GuardedToolCalls, guard_tool, guarded
@@ -94,7 +94,14 @@ def execute(req: ToolCallRequest) -> ToolMessage:
 
 
 def reason_of(answer: ToolMessage) -> str:
-    return answer.additional_kwargs["toolguard"]["reason"]
+    return str(answer.additional_kwargs["toolguard"]["reason"])
+
+
+def ask(calls: GuardedToolCalls, req: ToolCallRequest) -> ToolMessage:
+    """The wrapper's answer to one call (a ToolMessage: it never answers with a Command here)."""
+    output = calls.wrap_tool_call(req, execute)
+    assert isinstance(output, ToolMessage), output
+    return output
 
 
 def audit_rows(h: Harness) -> list[tuple[str, str, str | None]]:
@@ -105,8 +112,8 @@ def audit_rows(h: Harness) -> list[tuple[str, str, str | None]]:
 
 
 @pytest.mark.parametrize(("bad_id", "what"), BAD_IDS, ids=[w for _, w in BAD_IDS])
-def test_a_bad_id_is_refused_as_invalid_intent_on_every_adapter(harness, bad_id: Any,
-                                                                 what: str) -> None:
+def test_a_bad_id_is_refused_as_invalid_intent_on_every_adapter(
+        harness: HarnessFactory, bad_id: Any, what: str) -> None:
     h: Harness = harness(POLICY)
     runs: list[str] = []
     tools = {t.name: t for t in note_tools(runs)}
@@ -120,7 +127,7 @@ def test_a_bad_id_is_refused_as_invalid_intent_on_every_adapter(harness, bad_id:
         runs.append(text)
         return "noted"
 
-    answer = calls.wrap_tool_call(request(call, tools), execute)
+    answer = ask(calls, request(call, tools))
     assert isinstance(answer, ToolMessage) and answer.status == "error"
     assert reason_of(answer) == "invalid_intent", answer.content
     assert "rejected" in answer.content and "id" in answer.content
@@ -136,7 +143,7 @@ def test_a_bad_id_is_refused_as_invalid_intent_on_every_adapter(harness, bad_id:
     assert h.sql("SELECT count(*) FROM toolguard_intent") == [(0,)]  # no row left behind
 
 
-def test_an_int_id_is_not_the_string_id(harness) -> None:
+def test_an_int_id_is_not_the_string_id(harness: HarnessFactory) -> None:
     """``7`` used to be coerced to ``"7"``: one identity for two different calls."""
     h: Harness = harness(POLICY)
     runs: list[str] = []
@@ -144,10 +151,8 @@ def test_an_int_id_is_not_the_string_id(harness) -> None:
     calls = GuardedToolCalls(h.guard, agent="scorer")
     args = {"lead_id": "a", "text": "x"}
 
-    as_text = calls.wrap_tool_call(request({"name": "add_note", "args": args, "id": "7"}, tools),
-                                   execute)
-    as_int = calls.wrap_tool_call(request({"name": "add_note", "args": args, "id": 7}, tools),
-                                  execute)
+    as_text = ask(calls, request({"name": "add_note", "args": args, "id": "7"}, tools))
+    as_int = ask(calls, request({"name": "add_note", "args": args, "id": 7}, tools))
 
     assert as_text.status == "success" and as_text.content == "noted x"
     assert as_int.status == "error" and reason_of(as_int) == "invalid_intent"
@@ -156,7 +161,7 @@ def test_an_int_id_is_not_the_string_id(harness) -> None:
                                                      ("rejected", "invalid_intent")]
 
 
-def test_the_longest_allowed_id_is_accepted_and_audited(harness) -> None:
+def test_the_longest_allowed_id_is_accepted_and_audited(harness: HarnessFactory) -> None:
     """256 characters of four-byte UTF-8 (3,072 bytes percent-encoded in the key): the key
     must be bounded before it reaches an index, or PostgreSQL cannot store it."""
     h: Harness = harness(POLICY)
@@ -166,8 +171,8 @@ def test_the_longest_allowed_id_is_accepted_and_audited(harness) -> None:
     long_id = "\U0001f600" * 256
     call = {"name": "add_note", "args": {"lead_id": "a", "text": "x"}, "id": long_id}
 
-    first = calls.wrap_tool_call(request(call, tools), execute)
-    again = calls.wrap_tool_call(request(call, tools), execute)
+    first = ask(calls, request(call, tools))
+    again = ask(calls, request(call, tools))
 
     assert (first.status, again.status) == ("success", "success")
     assert runs == ["x"]  # the second is a replay
@@ -178,8 +183,8 @@ def test_the_longest_allowed_id_is_accepted_and_audited(harness) -> None:
 
 
 @pytest.mark.parametrize("missing", [None, "", "absent"])
-def test_a_model_call_without_an_id_is_refused_unless_the_policy_keys_it(harness,
-                                                                         missing: Any) -> None:
+def test_a_model_call_without_an_id_is_refused_unless_the_policy_keys_it(
+        harness: HarnessFactory, missing: Any) -> None:
     h: Harness = harness(POLICY)
     runs: list[str] = []
     tools = {t.name: t for t in note_tools(runs)}
@@ -193,14 +198,14 @@ def test_a_model_call_without_an_id_is_refused_unless_the_policy_keys_it(harness
             made["id"] = missing
         return made
 
-    unkeyed = calls.wrap_tool_call(request(call("add_note", "x"), tools), execute)
+    unkeyed = ask(calls, request(call("add_note", "x"), tools))
     assert unkeyed.status == "error" and reason_of(unkeyed) == "invalid_intent"
     assert "id" in unkeyed.content
     lc_answer = lc_tool.invoke(call("add_note", "x"))
     assert isinstance(lc_answer, ToolMessage) and reason_of(lc_answer) == "invalid_intent"
 
     # The same call sent twice must not apply twice: with a key template it is a replay.
-    keyed = [calls.wrap_tool_call(request(call("keyed_note", "y"), tools), execute)
+    keyed = [ask(calls, request(call("keyed_note", "y"), tools))
              for _ in range(2)]
     assert [m.status for m in keyed] == ["success", "success"]
     assert runs == ["y"]
@@ -209,7 +214,8 @@ def test_a_model_call_without_an_id_is_refused_unless_the_policy_keys_it(harness
         ("accepted", "applied"), ("replayed", "duplicate")]
 
 
-def test_a_direct_python_call_without_an_id_runs_once_without_replay_protection(harness) -> None:
+def test_a_direct_python_call_without_an_id_runs_once_without_replay_protection(
+        harness: HarnessFactory) -> None:
     h: Harness = harness(POLICY)
     runs: list[str] = []
 
@@ -232,19 +238,19 @@ def test_a_direct_python_call_without_an_id_runs_once_without_replay_protection(
 
 @pytest.mark.parametrize("name", [7, None, ["add_note"], "", "n" * 257, "add\ud800note"],
                          ids=["int", "none", "list", "empty", "257", "surrogate"])
-def test_a_bad_name_is_refused_as_invalid_intent(harness, name: Any) -> None:
+def test_a_bad_name_is_refused_as_invalid_intent(harness: HarnessFactory, name: Any) -> None:
     h: Harness = harness(POLICY)
     tools = {t.name: t for t in note_tools([])}
     calls = GuardedToolCalls(h.guard, agent="scorer")
 
-    answer = calls.wrap_tool_call(
-        request({"name": name, "args": {"lead_id": "a", "text": "x"}, "id": "c1"}, tools), execute)
+    answer = ask(calls, request({"name": name, "args": {"lead_id": "a", "text": "x"}, "id": "c1"},
+                                tools))
 
     assert answer.status == "error" and reason_of(answer) == "invalid_intent"
     assert [(d, r) for d, r, _ in audit_rows(h)] == [("rejected", "invalid_intent")]
 
 
-def test_guarded_function_run_never_raises_on_a_bad_envelope(harness) -> None:
+def test_guarded_function_run_never_raises_on_a_bad_envelope(harness: HarnessFactory) -> None:
     """``run`` used to let a ``pydantic.ValidationError`` escape, unaudited."""
     h: Harness = harness(POLICY)
 
@@ -264,13 +270,13 @@ def test_guarded_function_run_never_raises_on_a_bad_envelope(harness) -> None:
     assert len(h.audit()) == len(bad)
 
 
-def test_the_audit_row_of_a_refused_envelope_is_bounded(harness) -> None:
+def test_the_audit_row_of_a_refused_envelope_is_bounded(harness: HarnessFactory) -> None:
     h: Harness = harness(POLICY)
     tools = {t.name: t for t in note_tools([])}
     calls = GuardedToolCalls(h.guard, agent="scorer")
     call = {"name": "x" * 5_000, "args": {"lead_id": "a"}, "id": "c" * 5_000}
 
-    answer = calls.wrap_tool_call(request(call, tools), execute)
+    answer = ask(calls, request(call, tools))
 
     assert reason_of(answer) == "invalid_intent"
     (entry,) = h.audit()
@@ -346,7 +352,7 @@ ADAPTERS = ["tool_node", "tool_node_async", "langchain_tool", "function"]
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
-def test_every_envelope_gets_exactly_one_audit_row(harness, adapter: str) -> None:
+def test_every_envelope_gets_exactly_one_audit_row(harness: HarnessFactory, adapter: str) -> None:
     h: Harness = harness(POLICY)
     runs: list[str] = []
     tools = {t.name: t for t in note_tools(runs)}
@@ -431,7 +437,8 @@ def test_every_envelope_gets_exactly_one_audit_row(harness, adapter: str) -> Non
 
 @pytest.mark.parametrize("message", ["bad \x00 byte", "lone \ud800 surrogate", "e" * 10_000],
                          ids=["nul", "surrogate", "long"])
-def test_a_tool_error_with_unstorable_text_is_still_audited_once(harness, message: str) -> None:
+def test_a_tool_error_with_unstorable_text_is_still_audited_once(
+        harness: HarnessFactory, message: str) -> None:
     """The store audits a failed fenced write with the error's text: NUL (refused by
     PostgreSQL), lone surrogates (not UTF-8) and a long text must not cost the decision
     its row. (The stores already handled this; kept as a guard for the property.)"""

@@ -16,7 +16,7 @@ import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage
 
-from guard.harness import Harness
+from guard.harness import Harness, HarnessFactory
 from guard.tools import LeadTools, calls_message, scripted, tool_graph, tool_messages
 from toolguard.adapters import GuardedToolCalls, ToolGuardMiddleware, guard_tool, guarded
 
@@ -25,7 +25,7 @@ POLICY: dict[str, Any] = {"version": 1, "tools": {
     "add_score": {"locks": ["lead:{lead_id}"], "agents": ["tools"]},
     "reassign_lead": {"locks": ["lead:{lead_id}"], "agents": ["*"]},
 }}
-CALLS = [("add_score", {"lead_id": "a", "delta": 1}, "c-node-name"),
+CALLS: list[tuple[str, dict[str, Any], str]] = [("add_score", {"lead_id": "a", "delta": 1}, "c-node-name"),
          ("reassign_lead", {"lead_id": "a", "owner": "bo"}, "c-anyone")]
 
 
@@ -51,7 +51,7 @@ def assert_refused_without_identity(h: Harness, out: dict[str, Any], tools: Lead
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_tool_node_without_identity_is_refused_not_authorized_as_its_node(harness,
+def test_tool_node_without_identity_is_refused_not_authorized_as_its_node(harness: HarnessFactory,
                                                                           mode: str) -> None:
     h: Harness = harness(POLICY)
     tools = LeadTools()
@@ -65,7 +65,7 @@ def test_tool_node_without_identity_is_refused_not_authorized_as_its_node(harnes
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_create_agent_middleware_without_identity_is_refused(harness, mode: str) -> None:
+def test_create_agent_middleware_without_identity_is_refused(harness: HarnessFactory, mode: str) -> None:
     h: Harness = harness(POLICY)
     tools = LeadTools()
     agent = create_agent(scripted(calls_message(*CALLS), AIMessage(content="done")),
@@ -77,7 +77,7 @@ def test_create_agent_middleware_without_identity_is_refused(harness, mode: str)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_guarded_langchain_tools_without_identity_are_refused(harness, mode: str) -> None:
+def test_guarded_langchain_tools_without_identity_are_refused(harness: HarnessFactory, mode: str) -> None:
     h: Harness = harness(POLICY)
     tools = LeadTools()
     guarded_tools = [guard_tool(h.guard, tool) for tool in tools.tools()]
@@ -88,7 +88,7 @@ def test_guarded_langchain_tools_without_identity_are_refused(harness, mode: str
     assert_refused_without_identity(h, out, tools)
 
 
-def test_identity_metadata_is_checked_not_coerced(harness) -> None:
+def test_identity_metadata_is_checked_not_coerced(harness: HarnessFactory) -> None:
     """``toolguard_agent: 7`` is not the agent ``"7"``; an empty name is no name."""
     h: Harness = harness({"version": 1, "tools": {
         "add_score": {"locks": ["lead:{lead_id}"], "agents": ["7", "scorer"]}}})
@@ -113,7 +113,7 @@ def test_identity_metadata_is_checked_not_coerced(harness) -> None:
     assert h.audit()[-1].agent == "scorer"
 
 
-def test_a_guarded_function_without_an_agent_is_refused(harness) -> None:
+def test_a_guarded_function_without_an_agent_is_refused(harness: HarnessFactory) -> None:
     h: Harness = harness(POLICY)
 
     @guarded(h.guard, name="reassign_lead")

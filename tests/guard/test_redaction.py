@@ -19,7 +19,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import StructuredTool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from guard.harness import Harness
+from guard.harness import Harness, HarnessFactory
 from guard.tools import EFFECT, calls_message, scripted, tool_graph
 from toolguard.adapters import GuardedToolCalls, guarded
 from toolguard.context import current
@@ -37,7 +37,8 @@ def everything_written(h: Harness) -> str:
     return repr(rows)
 
 
-def test_the_recorded_result_is_masked_and_the_caller_gets_it_in_clear(harness, caplog) -> None:
+def test_the_recorded_result_is_masked_and_the_caller_gets_it_in_clear(
+        harness: HarnessFactory, caplog: pytest.LogCaptureFixture) -> None:
     h: Harness = harness(POLICY)
 
     @guarded(h.guard, agent="verifier")
@@ -64,7 +65,7 @@ def test_the_recorded_result_is_masked_and_the_caller_gets_it_in_clear(harness, 
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_replayed_tool_message_is_masked(harness, mode: str) -> None:
+def test_a_replayed_tool_message_is_masked(harness: HarnessFactory, mode: str) -> None:
     h: Harness = harness(POLICY)
 
     def verify_email(lead_id: str, email: str) -> str:
@@ -98,7 +99,8 @@ def test_a_replayed_tool_message_is_masked(harness, mode: str) -> None:
     assert EMAIL not in everything_written(h)
 
 
-def test_a_failure_naming_a_redacted_value_is_masked_everywhere(harness, caplog) -> None:
+def test_a_failure_naming_a_redacted_value_is_masked_everywhere(
+        harness: HarnessFactory, caplog: pytest.LogCaptureFixture) -> None:
     h: Harness = harness(POLICY)
 
     @guarded(h.guard, agent="verifier")
@@ -120,7 +122,7 @@ def test_a_failure_naming_a_redacted_value_is_masked_everywhere(harness, caplog)
     assert entry.detail and REDACTED in entry.detail
 
 
-def test_a_redacted_number_is_masked_where_a_value_equals_it(harness) -> None:
+def test_a_redacted_number_is_masked_where_a_value_equals_it(harness: HarnessFactory) -> None:
     h: Harness = harness({"version": 1, "tools": {
         "set_pin": {"locks": ["lead:{lead_id}"], "redact": ["pin"]}}})
 

@@ -21,7 +21,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 
-from guard.harness import Harness
+from guard.harness import Harness, HarnessFactory
 from guard.tools import LEAD_POLICY, LeadTools, calls_message, scripted, tool_graph
 from toolguard.adapters import GuardedToolCalls
 
@@ -57,7 +57,7 @@ def two_turns(h: Harness, tools: LeadTools, first: dict[str, Any], second: dict[
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_call_id_re_sent_in_a_later_superstep_is_replayed(harness, mode: str) -> None:
+def test_a_call_id_re_sent_in_a_later_superstep_is_replayed(harness: HarnessFactory, mode: str) -> None:
     h: Harness = harness(LEAD_POLICY)
     tools = LeadTools()
     args = {"lead_id": "a", "delta": 5}
@@ -71,7 +71,7 @@ def test_a_call_id_re_sent_in_a_later_superstep_is_replayed(harness, mode: str) 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_same_call_id_with_other_arguments_is_refused(harness, mode: str) -> None:
+def test_the_same_call_id_with_other_arguments_is_refused(harness: HarnessFactory, mode: str) -> None:
     h: Harness = harness(LEAD_POLICY)
     tools = LeadTools()
 
@@ -86,7 +86,7 @@ def test_the_same_call_id_with_other_arguments_is_refused(harness, mode: str) ->
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_two_agents_reusing_call_ids_stay_apart(harness, mode: str) -> None:
+def test_two_agents_reusing_call_ids_stay_apart(harness: HarnessFactory, mode: str) -> None:
     """Two subgraph agents in one thread, each with a scripted model that says ``c1``."""
     h: Harness = harness(LEAD_POLICY)
     tools = LeadTools()
@@ -116,7 +116,7 @@ def test_two_agents_reusing_call_ids_stay_apart(harness, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_task_scope_lets_a_re_sent_id_run_again(harness, mode: str) -> None:
+def test_task_scope_lets_a_re_sent_id_run_again(harness: HarnessFactory, mode: str) -> None:
     """``idempotency_scope: task`` is for frameworks that reuse call ids within a thread."""
     policy = {**LEAD_POLICY, "defaults": {"idempotency_scope": "task"}}
     h: Harness = harness(policy)

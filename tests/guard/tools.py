@@ -56,11 +56,11 @@ AsyncHook = Callable[[str], Awaitable[None]]
 class ScriptedModel(GenericFakeChatModel):
     """``GenericFakeChatModel`` that accepts ``bind_tools`` (``create_agent`` calls it)."""
 
-    def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedModel:  # type: ignore[override]
+    def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedModel:
         return self
 
 
-def scripted(*turns: BaseMessage) -> ScriptedModel:
+def scripted(*turns: AIMessage) -> ScriptedModel:
     return ScriptedModel(messages=iter(list(turns)))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import BaseModel
 
@@ -103,7 +105,7 @@ def test_constraints_accept_good_args_and_skip_absent_ones() -> None:
     ({"tags": ["a", "b", "c"]}, "args.tags: more than 2 items"),
     ({"contacts": [{"email": "a@b"}, {"email": "nope"}]}, "args.contacts[1].email: does not match"),
 ])
-def test_constraint_violations_name_the_field(change: dict, message: str) -> None:
+def test_constraint_violations_name_the_field(change: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidArguments) as caught:
         check_constraints(POLICY.tools["score"], {**GOOD_ARGS, **change})
     assert caught.value.message.startswith(message)
@@ -171,7 +173,8 @@ def test_the_tool_policy_narrows_the_scope_to_the_task() -> None:
 
 
 def test_redaction_of_nested_paths() -> None:
-    raw = {"lead_id": "L1", "secret": {"k": 1}, "contacts": [{"email": "a@b", "name": "A"}, {"name": "B"}]}
+    raw: dict[str, Any] = {"lead_id": "L1", "secret": {"k": 1},
+                           "contacts": [{"email": "a@b", "name": "A"}, {"name": "B"}]}
     out = redacted_args(POLICY.tools["score"], raw)
     assert out == {"lead_id": "L1", "secret": REDACTED,
                    "contacts": [{"email": REDACTED, "name": "A"}, {"name": "B"}]}

@@ -27,7 +27,7 @@ from toolguard.intent import (
 def test_intent_is_frozen_and_forbids_unknown_fields() -> None:
     intent = Intent(tool="t", args={"a": 1}, call_id="c1")
     with pytest.raises(ValidationError):
-        intent.tool = "other"  # type: ignore[misc]
+        intent.tool = "other"
     with pytest.raises(ValidationError):
         Intent(tool="t", trusted=True)  # type: ignore[call-arg]
     assert intent.id and intent.id != Intent(tool="t").id
@@ -49,9 +49,9 @@ def test_from_tool_call_never_raises_and_never_coerces() -> None:
     for call_id in (7, True, ["c"], {"id": 1}, b"c"):
         intent = Intent.from_tool_call({"name": "t", "args": {}, "id": call_id})
         assert intent.call_id is None and intent.problem and intent.problem.startswith("id:")
-    for call_id, problem in (("c" * 257, "id: 257 characters, at most 256"),
-                             ("c\ud800", "id: not valid Unicode (a lone surrogate at position 1)")):
-        intent = Intent.from_tool_call({"name": "t", "args": {}, "id": call_id})
+    for text, problem in (("c" * 257, "id: 257 characters, at most 256"),
+                          ("c\ud800", "id: not valid Unicode (a lone surrogate at position 1)")):
+        intent = Intent.from_tool_call({"name": "t", "args": {}, "id": text})
         assert envelope_problem(intent) == problem
     assert Intent.from_tool_call({"name": 7}).problem == "name: expected a string, got a number"
     assert Intent.from_tool_call("not a call").problem == "name: missing"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -79,7 +81,7 @@ def test_render_basic_and_list_expansion() -> None:
     ({"lead_id": [1]}, "args.lead_id: lock key 'lead:{lead_id}': a key needs a string, number "
                        "or boolean, got a list"),
 ])
-def test_render_refuses_missing_and_non_scalars(args: dict, expected: str) -> None:
+def test_render_refuses_missing_and_non_scalars(args: dict[str, Any], expected: str) -> None:
     with pytest.raises(InvalidArguments) as caught:
         KeyTemplate.parse("lead:{lead_id}").render(args)
     assert caught.value.message == expected
@@ -130,7 +132,8 @@ TEMPLATES = ["t:{a}:{b}:{c}", "{a}/{b}.{c}", "x{a}:{b}:{c}y", "{a}::{b}/{c}", "p
 @settings(max_examples=400, deadline=None)
 @given(template=st.sampled_from(TEMPLATES), first=st.tuples(scalars, scalars, scalars),
        second=st.tuples(scalars, scalars, scalars))
-def test_distinct_tuples_render_distinct_keys(template: str, first: tuple, second: tuple) -> None:
+def test_distinct_tuples_render_distinct_keys(template: str, first: tuple[Any, ...],
+                                              second: tuple[Any, ...]) -> None:
     parsed = KeyTemplate.parse(template)
     (key1,) = parsed.render(dict(zip("abc", first, strict=True)))
     (key2,) = parsed.render(dict(zip("abc", second, strict=True)))
@@ -140,7 +143,7 @@ def test_distinct_tuples_render_distinct_keys(template: str, first: tuple, secon
 
 @settings(max_examples=300, deadline=None)
 @given(first=st.lists(scalars, min_size=1, max_size=4), second=st.lists(scalars, min_size=1, max_size=4))
-def test_list_expansion_keys_are_the_set_of_element_keys(first: list, second: list) -> None:
+def test_list_expansion_keys_are_the_set_of_element_keys(first: list[Any], second: list[Any]) -> None:
     parsed = KeyTemplate.parse("lead:{ids[*]}")
     keys1, keys2 = set(parsed.render({"ids": first})), set(parsed.render({"ids": second}))
     tagged1 = {(type(v), v) for v in first}
