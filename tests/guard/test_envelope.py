@@ -301,7 +301,7 @@ VALID, HOSTILE, ABSENT = "valid", "hostile", "absent"
 #: first choice most readily).
 CHOICE = st.sampled_from([VALID, VALID, VALID, HOSTILE])
 NAMES = st.sampled_from(["add_note", "add_note", "keyed_note", "nope"])
-AGENTS = st.sampled_from(["scorer", "scorer", "scorer", "mallory"])
+AGENTS = st.sampled_from(["scorer", "scorer", "scorer", "mallory", None])
 GOOD_ARGS = st.fixed_dictionaries({"lead_id": st.sampled_from(["a", "b", "x" * 3_000, "\x00"]),
                                    "text": st.text(max_size=6)})
 BAD_ARGS = st.one_of(st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
@@ -348,7 +348,8 @@ def expect_envelope_refusal(call: dict[str, Any], agent: Any, *, model: bool,
     return call_id in (None, "") and model and not keyed
 
 
-ADAPTERS = ["tool_node", "tool_node_async", "langchain_tool", "function"]
+ADAPTERS = ["tool_node", "tool_node_async", "langchain_tool", "langchain_tool_async",
+            "function", "function_async"]
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
@@ -359,9 +360,9 @@ def test_every_envelope_gets_exactly_one_audit_row(harness: HarnessFactory, adap
     threads = itertools.count()
     calls = GuardedToolCalls(h.guard)  # identity from run metadata: part of the envelope
     lc_tools = {name: guard_tool(h.guard, tool) for name, tool in tools.items()}
-    functions = {name: guarded(h.guard, name=name)(tool.func)  # type: ignore[attr-defined]
-                 for name, tool in tools.items()}
-    loop = LoopThread(h) if adapter == "tool_node_async" else None
+    body = "coroutine" if adapter == "function_async" else "func"
+    functions = {name: guarded(h.guard, name=name)(getattr(tool, body)) for name, tool in tools.items()}
+    loop = LoopThread(h) if adapter.endswith("_async") else None
     seen: dict[str, int] = {}
 
     async def aexecute(req: ToolCallRequest) -> ToolMessage:
@@ -385,16 +386,20 @@ def test_every_envelope_gets_exactly_one_audit_row(harness: HarnessFactory, adap
                 answer = calls.wrap_tool_call(req, execute)
             else:
                 answer = loop.run(calls.awrap_tool_call(req, aexecute))
-        elif adapter == "langchain_tool":  # invoked directly: it may be handed another name
-            answer = lc_tools[target(call)].invoke(call, {"metadata": metadata,
-                                                         "configurable": {"thread_id": thread}})
+        elif adapter.startswith("langchain_tool"):  # invoked directly: may be handed another name
+            tool, config = lc_tools[target(call)], {"metadata": metadata,
+                                                    "configurable": {"thread_id": thread}}
+            answer = (tool.invoke(call, config) if loop is None  # type: ignore[arg-type]
+                      else loop.run(tool.ainvoke(call, config)))  # type: ignore[arg-type]
         else:
-            decision = functions[call["name"]].run(call["args"], agent=agent,
-                                                   call_id=call.get("id"), thread_id=thread)
+            function, identity = functions[call["name"]], {
+                "agent": agent, "call_id": call.get("id"), "thread_id": thread}
+            decision = (function.run(call["args"], **identity) if loop is None
+                        else loop.run(function.arun(call["args"], **identity)))
             assert isinstance(decision, Decision)
             return None if decision.ok else decision.reason
         if not isinstance(answer, ToolMessage):  # LangChain's bare output for an id-less call
-            assert call.get("id") in (None, "") and adapter == "langchain_tool", answer
+            assert call.get("id") in (None, "") and adapter.startswith("langchain_tool"), answer
             return None
         return None if answer.status == "success" else reason_of(answer)
 
@@ -402,7 +407,7 @@ def test_every_envelope_gets_exactly_one_audit_row(harness: HarnessFactory, adap
     @given(envelope=envelopes())
     def check(envelope: tuple[dict[str, Any], Any]) -> None:
         call, agent = envelope
-        if adapter == "function":  # the function's own name is the tool: the name is not input
+        if adapter.startswith("function"):  # the function's own name is the tool, not input
             call = {**call, "name": target(call)}
         audits, effects = snapshot(h)
         try:
@@ -417,8 +422,9 @@ def test_every_envelope_gets_exactly_one_audit_row(harness: HarnessFactory, adap
             assert decision in ("accepted", "replayed"), (decision, reason)
         else:
             assert decision in ("rejected", "failed") and reason == refused, (row, refused)
-        bound = target(call) if adapter == "langchain_tool" else None
-        if expect_envelope_refusal(call, agent, model=adapter != "function", tool_name=bound):
+        bound = target(call) if adapter.startswith("langchain_tool") else None
+        model = not adapter.startswith("function")
+        if expect_envelope_refusal(call, agent, model=model, tool_name=bound):
             assert reason == "invalid_intent", (call, agent, reason)
         else:
             assert reason != "invalid_intent", (call, agent, reason)
