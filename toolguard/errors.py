@@ -14,13 +14,16 @@ __all__ = [
     "BackendUnavailable",
     "ConfigurationError",
     "DuplicateIntent",
+    "GuardMisconfigured",
     "IdempotencyConflict",
     "IntentRejected",
     "InvalidArguments",
     "InvalidFencingToken",
+    "InvalidIntent",
     "LockError",
     "LockLost",
     "LockTimeout",
+    "MissingIdentity",
     "NotAuthorized",
     "NotOwned",
     "OutOfOrder",
@@ -31,6 +34,7 @@ __all__ = [
     "StoreError",
     "ToolGuardError",
     "UnknownTool",
+    "UnknownToolWarning",
     "is_control_flow",
 ]
 
@@ -54,6 +58,19 @@ class ConfigurationError(ToolGuardError):
     """Settings or URLs that cannot work (unknown scheme, TTL too small...)."""
 
     reason = "configuration"
+
+
+class GuardMisconfigured(ConfigurationError):
+    """The guard, a tool or an adapter is wired wrongly (e.g. no asyncio backends on the
+    async path, a sync tool body on the async path).
+
+    The guard audits it and then raises it to the developer: it is never turned into
+    a refusal the model reads, since no retry by the model can fix it.
+    """
+
+
+class UnknownToolWarning(UserWarning):
+    """A tool was registered with a guard whose policy does not name it."""
 
 
 class BackendUnavailable(ToolGuardError):
@@ -187,12 +204,24 @@ class IntentRejected(ToolGuardError):
     reason = "rejected"
 
 
+class InvalidIntent(IntentRejected):
+    """The call's envelope (id, name, agent, workflow identity) breaks the envelope rules."""
+
+    reason = "invalid_intent"
+
+
 class InvalidArguments(IntentRejected):
     reason = "invalid_arguments"
 
 
 class NotAuthorized(IntentRejected):
     reason = "not_authorized"
+
+
+class MissingIdentity(NotAuthorized):
+    """The call carries no agent identity: refused, never guessed."""
+
+    reason = "missing_identity"
 
 
 class UnknownTool(IntentRejected):
