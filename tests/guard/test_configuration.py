@@ -222,7 +222,7 @@ def test_an_unreachable_lock_server_reaches_the_model_as_a_short_safe_text(
 
     answer = tool_messages(out["messages"])["c1"]
     assert answer.status == "error"
-    assert answer.additional_kwargs["toolguard"]["reason"] == "backend_unavailable"
+    assert answer.response_metadata["toolguard"]["reason"] == "backend_unavailable"
     assert str(port) not in answer.content and "127.0.0.1" not in answer.content
     assert "rejected" not in answer.content and "try again later" in answer.content
     (entry,) = h.audit(intent_id="c1")

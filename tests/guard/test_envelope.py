@@ -7,7 +7,9 @@ LangChain tool invoked with a tool call) without an id is refused unless the
 tool's policy gives an ``idempotency_key`` template; a direct Python call
 without an id runs once, without replay protection. Whatever arrives, the
 decision is audited exactly once, as ``invalid_intent`` when the envelope is
-bad, and no exception escapes the adapter.
+bad, and no exception escapes the adapter but the tool's own: the LangChain
+and LangGraph adapters are transparent, so what the tool raises (or its own
+schema's refusal of the arguments) comes out unchanged, after it was audited.
 
 Every test runs on SQLite and on Redis + PostgreSQL (``harness``).
 """
@@ -23,13 +25,15 @@ import pytest
 from hypothesis import given, settings
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
-from langgraph.prebuilt.tool_node import ToolCallRequest
+from langgraph.prebuilt.tool_node import ToolCallRequest, ToolInvocationError
+from pydantic import ValidationError
 
 from guard.harness import Harness, HarnessFactory, LoopThread
-from guard.test_fuzz import FUZZ, snapshot
+from guard.test_fuzz import FUZZ, last_audit, snapshot
 from guard.tools import EFFECT
 from toolguard.adapters import GuardedToolCalls, guard_tool, guarded
 from toolguard.context import current
+from toolguard.errors import ToolGuardError
 from toolguard.guard import Decision
 
 POLICY: dict[str, Any] = {"version": 1, "tools": {
@@ -94,7 +98,7 @@ def execute(req: ToolCallRequest) -> ToolMessage:
 
 
 def reason_of(answer: ToolMessage) -> str:
-    return str(answer.additional_kwargs["toolguard"]["reason"])
+    return str(answer.response_metadata["toolguard"]["reason"])
 
 
 def ask(calls: GuardedToolCalls, req: ToolCallRequest) -> ToolMessage:
@@ -364,26 +368,76 @@ def test_every_envelope_gets_exactly_one_audit_row(harness: HarnessFactory, adap
     functions = {name: guarded(h.guard, name=name)(getattr(tool, body)) for name, tool in tools.items()}
     loop = LoopThread(h) if adapter.endswith("_async") else None
     seen: dict[str, int] = {}
+    tool_errors: list[Exception] = []
+
+    def handled(req: ToolCallRequest, error: Exception) -> ToolMessage:
+        """ToolNode's default handler: the tool's own schema refused, ToolNode answers;
+        anything else the tool raised goes on unchanged."""
+        if not isinstance(error, ValidationError):
+            tool_errors.append(error)
+            raise error
+        call = req.tool_call
+        text = ToolInvocationError(str(call["name"]), error, call["args"]).message
+        return ToolMessage(text, tool_call_id=str(call.get("id") or ""), name=str(call["name"]),
+                           status="error")
+
+    def node_execute(req: ToolCallRequest) -> ToolMessage:
+        try:
+            return execute(req)
+        except Exception as error:
+            return handled(req, error)
 
     async def aexecute(req: ToolCallRequest) -> ToolMessage:
         assert req.tool is not None
-        output = await req.tool.ainvoke({"id": None, **req.tool_call, "type": "tool_call"})
+        try:
+            output = await req.tool.ainvoke({"id": None, **req.tool_call, "type": "tool_call"})
+        except Exception as error:
+            return handled(req, error)
         if isinstance(output, ToolMessage):
             return output
         return ToolMessage(content=str(output), tool_call_id="", name=req.tool.name)
+
+    def tool_raised(call: dict[str, Any], error: Exception) -> str:
+        """The reason of a call whose tool's own exception came out of the adapter, unchanged.
+
+        A ToolNode lets through what its handler does not answer; a guarded LangChain tool
+        raises what the tool raises. The guard audited it first: as the tool's failure, or
+        as invalid arguments that the tool's own schema refuses too, so that the tool
+        fails on them as it does without toolguard.
+        """
+        decision, reason = last_audit(h)
+        assert (decision, reason) in (("failed", "error"), ("rejected", "invalid_arguments")), error
+        if adapter.startswith("tool_node"):
+            assert tool_errors and error is tool_errors[-1], error
+        if reason == "invalid_arguments":
+            plain = tools[target(call)]
+            with pytest.raises(type(error)):
+                plain.invoke({"id": None, **call, "type": "tool_call"})
+        return reason
+
+    def decide(call: dict[str, Any], agent: Any, thread: str) -> str | None:
+        """The reason code the caller was given for a refusal, None when it succeeded."""
+        tool_errors.clear()
+        if adapter.startswith("function"):
+            return answer_of(call, agent, thread)
+        try:
+            return answer_of(call, agent, thread)
+        except ToolGuardError:
+            raise  # toolguard's own errors never reach the caller of a model's call
+        except Exception as error:
+            return tool_raised(call, error)
 
     def target(call: dict[str, Any]) -> str:
         """The tool an adapter that is bound to one tool stands for."""
         name = call["name"]
         return name if isinstance(name, str) and name in tools else "add_note"
 
-    def decide(call: dict[str, Any], agent: Any, thread: str) -> str | None:
-        """The reason code the caller was given for a refusal, None when it succeeded."""
+    def answer_of(call: dict[str, Any], agent: Any, thread: str) -> str | None:
         metadata = {} if agent is None else {"toolguard_agent": agent}
         if adapter in ("tool_node", "tool_node_async"):
             req = request(call, tools, thread=thread, metadata=metadata)
             if loop is None:
-                answer = calls.wrap_tool_call(req, execute)
+                answer = calls.wrap_tool_call(req, node_execute)
             else:
                 answer = loop.run(calls.awrap_tool_call(req, aexecute))
         elif adapter.startswith("langchain_tool"):  # invoked directly: may be handed another name

@@ -44,7 +44,7 @@ def assert_refused_without_identity(h: Harness, out: dict[str, Any], tools: Lead
     answers = tool_messages(out["messages"])
     for _, _, call_id in CALLS:
         assert answers[call_id].status == "error", answers[call_id]
-        assert answers[call_id].additional_kwargs["toolguard"]["reason"] == "missing_identity"
+        assert answers[call_id].response_metadata["toolguard"]["reason"] == "missing_identity"
         assert [(e.decision, e.reason, e.agent) for e in h.audit(intent_id=call_id)] == [
             ("rejected", "missing_identity", None)]
     assert tools.probe.runs == {} and h.scores() == {}
@@ -102,7 +102,7 @@ def test_identity_metadata_is_checked_not_coerced(harness: HarnessFactory) -> No
         out = app.invoke({"messages": [HumanMessage("go")]},
                          {"metadata": {"toolguard_agent": agent}})
         answer = tool_messages(out["messages"])["c1"]
-        assert answer.additional_kwargs["toolguard"]["reason"] == "invalid_intent", agent
+        assert answer.response_metadata["toolguard"]["reason"] == "invalid_intent", agent
     assert [e.reason for e in h.audit()] == ["invalid_intent"] * 3
     assert h.scores() == {}
 

@@ -80,7 +80,7 @@ def test_the_same_call_id_with_other_arguments_is_refused(harness: HarnessFactor
 
     first, second = answers_for(out, "c1")
     assert first.status == "success" and second.status == "error"
-    assert second.additional_kwargs["toolguard"]["reason"] == "idempotency_conflict"
+    assert second.response_metadata["toolguard"]["reason"] == "idempotency_conflict"
     assert h.scores() == {"a": 5}
     assert h.decisions("c1") == [("accepted", "applied"), ("rejected", "idempotency_conflict")]
 
