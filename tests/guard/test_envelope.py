@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import Mock
 
 import hypothesis.strategies as st
 import pytest
@@ -26,6 +27,7 @@ from hypothesis import given, settings
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
 from langgraph.prebuilt.tool_node import ToolCallRequest, ToolInvocationError
+from langgraph.runtime import ExecutionInfo
 from pydantic import ValidationError
 
 from guard.harness import Harness, HarnessFactory, LoopThread
@@ -75,8 +77,8 @@ def note_tools(runs: list[str]) -> list[BaseTool]:
 def request(call: dict[str, Any], tools: dict[str, BaseTool], *, thread: str = "t-1",
             metadata: dict[str, Any] | None = None) -> ToolCallRequest:
     """What ToolNode hands a wrapper, for a call in superstep ``tools:<task>`` of ``thread``."""
-    info = SimpleNamespace(thread_id=thread, checkpoint_ns="tools:task-1", checkpoint_id="cp",
-                           run_id=None, node_attempt=1)
+    info = ExecutionInfo(thread_id=thread, checkpoint_ns="tools:task-1", checkpoint_id="cp",
+                         task_id="task-1", run_id=None, node_attempt=1)
     runtime = SimpleNamespace(execution_info=info, config={"metadata": dict(metadata or {})})
     name = call.get("name")
     tool = tools.get(name) if isinstance(name, str) else None
@@ -252,6 +254,34 @@ def test_a_bad_name_is_refused_as_invalid_intent(harness: HarnessFactory, name: 
 
     assert answer.status == "error" and reason_of(answer) == "invalid_intent"
     assert [(d, r) for d, r, _ in audit_rows(h)] == [("rejected", "invalid_intent")]
+
+
+def test_only_langgraphs_execution_info_gives_the_workflow_identity(harness: HarnessFactory) -> None:
+    """The thread, run and checkpoint come from LangGraph's ``ExecutionInfo``, checked, never
+    coerced. A stand-in runtime (LangGraph's own tests use a ``Mock``, which answers every
+    attribute) exposes no identity: its call runs as one without a thread, not refused for
+    a thread id that nobody gave, and not replayed under one."""
+    h: Harness = harness(POLICY)
+    runs: list[str] = []
+    tools = {t.name: t for t in note_tools(runs)}
+    calls = GuardedToolCalls(h.guard, agent="scorer")
+    call = {"name": "add_note", "args": {"lead_id": "a", "text": "x"}, "id": "c1"}
+
+    def with_runtime(runtime: Any) -> ToolCallRequest:
+        return ToolCallRequest(tool_call=call, tool=tools["add_note"], state={},
+                               runtime=runtime)
+
+    stand_in = [ask(calls, with_runtime(Mock())) for _ in range(2)]
+    odd_thread = ask(calls, with_runtime(SimpleNamespace(execution_info=ExecutionInfo(
+        checkpoint_id="cp", checkpoint_ns="tools:task-1", task_id="task-1",
+        thread_id=["t-1"]))))  # type: ignore[arg-type]
+
+    assert [m.status for m in stand_in] == ["success", "success"]
+    assert runs == ["x", "x"]  # no workflow identity: each call is its own intent
+    assert (odd_thread.status, reason_of(odd_thread)) == ("error", "invalid_intent")
+    assert "thread id" in odd_thread.content
+    assert [(d, r) for d, r, _ in audit_rows(h)] == [("accepted", "applied")] * 2 + [
+        ("rejected", "invalid_intent")]
 
 
 def test_guarded_function_run_never_raises_on_a_bad_envelope(harness: HarnessFactory) -> None:

@@ -23,10 +23,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, given, settings
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
 from langgraph.prebuilt.tool_node import ToolCallRequest, ToolInvocationError
+from langgraph.runtime import ExecutionInfo
 from pydantic import ValidationError
 
 from guard.harness import Harness
@@ -245,8 +247,8 @@ def test_langgraph_wrapper_survives_hostile_calls(harness) -> None:
     @settings(FUZZ, max_examples=examples(h))
     @given(call=tool_calls())
     def check(call: dict[str, Any]) -> None:
-        info = SimpleNamespace(thread_id=f"fuzz-{next(threads)}", checkpoint_ns="tools:1",
-                               checkpoint_id="cp", run_id=None, node_attempt=1)
+        info = ExecutionInfo(thread_id=f"fuzz-{next(threads)}", checkpoint_ns="tools:1",
+                             checkpoint_id="cp", task_id="1", run_id=None, node_attempt=1)
         runtime = SimpleNamespace(execution_info=info, config={"metadata": {}})
         request = ToolCallRequest(tool_call=call, tool=tools.get(call["name"]), state={},
                                   runtime=runtime)  # type: ignore[arg-type]
@@ -257,7 +259,11 @@ def test_langgraph_wrapper_survives_hostile_calls(harness) -> None:
         except BaseException as error:
             if tool_errors and error is tool_errors[-1]:  # the tool's own failure goes on unchanged
                 assert snapshot(h) == (audits + 1, effects), "audited once, changed nothing"
-                assert last_audit(h) == ("failed", "error")
+                outcome = last_audit(h)
+                assert outcome in (("failed", "error"), ("rejected", "invalid_arguments")), outcome
+                if outcome[1] == "invalid_arguments":  # the tool fails on them without toolguard too
+                    with pytest.raises(type(error)):
+                        tools[call["name"]].invoke({**call, "type": "tool_call"})
                 recorder.outcomes["tool_raised"] += 1
                 return
             raise AssertionError(f"{type(error).__name__} escaped the adapter: {error}") from error

@@ -41,9 +41,7 @@ def intent_from_call(call: Any, *, agent: Any, runtime: Any = None, config: Any 
     settings: Mapping[str, Any] = config if isinstance(config, Mapping) else {}
     configurable = settings.get("configurable")
     configurable = configurable if isinstance(configurable, Mapping) else {}
-    info = getattr(runtime, "execution_info", None)
-    if info is None:  # a tool invoked by ToolNode gets only the config; the runtime rides in it
-        info = getattr(configurable.get("__pregel_runtime"), "execution_info", None)
+    info = _execution_info(runtime, configurable)
     thread_id = _first(getattr(info, "thread_id", None), configurable.get("thread_id"))
     run_id = _first(getattr(info, "run_id", None), settings.get("run_id"))
     checkpoint_id = getattr(info, "checkpoint_id", None)
@@ -57,6 +55,26 @@ def intent_from_call(call: Any, *, agent: Any, runtime: Any = None, config: Any 
                              configurable.get("checkpoint_ns")),
         checkpoint_id=checkpoint_id, node_attempt=1 if attempt is None else attempt,
         origin=origin, expected_tool=expected_tool)
+
+
+def _execution_info(runtime: Any, configurable: Mapping[str, Any]) -> Any:
+    """LangGraph's ``ExecutionInfo`` of the running task, or None.
+
+    A tool invoked by ToolNode gets only the config; the runtime rides in it.
+    Only LangGraph's own type counts: its fields are then checked like the rest
+    of the envelope (a thread id that is not a string is refused). Anything
+    else in its place (a stand-in runtime, e.g. a test's ``Mock``, answers every
+    attribute) is no execution info at all, as with a LangGraph that has none.
+    """
+    try:
+        from langgraph.runtime import ExecutionInfo
+    except ImportError:  # a LangGraph without execution info: the config is all there is
+        return None
+    for source in (runtime, configurable.get("__pregel_runtime")):
+        info = getattr(source, "execution_info", None)
+        if isinstance(info, ExecutionInfo):
+            return info
+    return None
 
 
 def agent_from_metadata(request: Any) -> Any:
