@@ -28,7 +28,6 @@ from toolguard.demo.lead_qualifier import (
     Report,
     ScriptedAgentModel,
     expected_records,
-    stable_idempotency_key,
 )
 from toolguard.demo.lead_qualifier import run_pipeline as _run_pipeline
 
@@ -45,7 +44,6 @@ __all__ = [
     "ScriptedAgentModel",
     "expected_records",
     "run_pipeline",
-    "stable_idempotency_key",
 ]
 
 HERE = Path(__file__).resolve().parent
