@@ -265,7 +265,7 @@ def test_only_langgraphs_execution_info_gives_the_workflow_identity(harness: Har
     runs: list[str] = []
     tools = {t.name: t for t in note_tools(runs)}
     calls = GuardedToolCalls(h.guard, agent="scorer")
-    call = {"name": "add_note", "args": {"lead_id": "a", "text": "x"}, "id": "c1"}
+    call: Any = {"name": "add_note", "args": {"lead_id": "a", "text": "x"}, "id": "c1"}
 
     def with_runtime(runtime: Any) -> ToolCallRequest:
         return ToolCallRequest(tool_call=call, tool=tools["add_note"], state={},
