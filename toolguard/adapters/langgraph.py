@@ -1,7 +1,8 @@
 """LangGraph ``ToolNode`` wrappers and a ``create_agent`` middleware.
 
-``ToolNode(tools, wrap_tool_call=calls.wrap_tool_call, awrap_tool_call=calls.awrap_tool_call)``
-or ``create_agent(model, tools, middleware=[..., ToolGuardMiddleware(guard)])``.
+``calls = GuardedToolCalls(guard, agent="router")``, then
+``ToolNode(tools, wrap_tool_call=calls.wrap_tool_call, awrap_tool_call=calls.awrap_tool_call)``;
+or ``create_agent(model, tools, middleware=[..., ToolGuardMiddleware(guard, agent="router")])``.
 
 The wrapper is transparent: it changes what a ToolNode does only by refusing a
 call (an error ToolMessage naming the reason, audited) and by serializing and
