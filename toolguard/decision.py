@@ -24,7 +24,8 @@ from toolguard.errors import (
 )
 from toolguard.intent import Intent
 
-__all__ = ["FAILURE_TEMPLATE", "REJECTION_TEMPLATE", "Decision", "DecisionKind", "ToolFailed"]
+__all__ = ["FAILURE_TEMPLATE", "REJECTION_TEMPLATE", "Decision", "DecisionKind", "ToolFailed",
+           "recorded_model_text"]
 
 DecisionKind = Literal["accepted", "replayed", "rejected", "failed", "unknown"]
 
@@ -103,6 +104,33 @@ class Decision:
             return self.result
         assert self.error is not None
         raise self.error
+
+
+#: Failures whose answer is not toolguard's: the tool's own exception or error answer, which
+#: the adapters pass on unchanged, and configuration mistakes, which raise to the developer.
+_NOT_TOOLGUARDS_TO_ANSWER = frozenset({"error", "tool_error", "configuration"})
+
+
+def recorded_model_text(kind: str, reason: str, detail: str | None) -> str | None:
+    """``Decision.model_text()`` of a decision as the audit log records it (kind, reason, detail).
+
+    ``None`` where toolguard gave the model no text of its own: an accepted,
+    replayed or interrupted call, a tool's own failure (the adapters pass on
+    what the tool raised or answered), a configuration mistake (raised to the
+    developer). The detail is the model's to read only where it is toolguard's
+    own words about the call; tokens, hosts and drivers never are.
+    """
+    if kind == "rejected":
+        if reason in _MODEL_TEXTS:
+            message = _MODEL_TEXTS[reason]
+        elif reason == LockError.reason:
+            message = _GENERIC
+        else:
+            message = detail or ""
+        return REJECTION_TEMPLATE.format(reason=reason, message=message)
+    if kind == "failed" and reason not in _NOT_TOOLGUARDS_TO_ANSWER:
+        return FAILURE_TEMPLATE.format(reason=reason, message=_MODEL_TEXTS.get(reason, _GENERIC))
+    return None
 
 
 def refusal(intent: Intent, error: Exception, *, keys: tuple[str, ...] = (),
