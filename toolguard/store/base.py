@@ -48,6 +48,7 @@ from toolguard.errors import (
     StaleFencingToken,
     StoreError,
     ToolGuardError,
+    TooManyRows,
     is_control_flow,
 )
 
@@ -71,6 +72,7 @@ __all__ = [
     "Replay",
     "dump_json",
     "error_from_sqlstate",
+    "expected_rows",
     "latest_version",
     "migrations",
     "qmark",
@@ -451,10 +453,22 @@ class _TxBase:
     def result_json(self) -> str:
         return self._result_json
 
+    def _require_rows(self, expected: int, cursor: Any, sql: str) -> None:
+        actual = matched_rows(cursor)
+        if actual != expected:
+            error = row_count_error(expected, actual, sql)
+            self.failure = error  # re-raised at commit if the tool swallows it
+            raise error
+
     @property
     def tokens_json(self) -> str:
         """The tokens as JSON text, as the intent row records them."""
         return dump_json(dict(self.tokens), "tokens")
+
+
+#: A session's statement runner: ``(sql, params, counted)``; ``counted`` asks for a cursor
+#: whose ``matched`` (or ``rowcount``) is the rows the statement returned or changed.
+Execute = Callable[[str, Any, bool], Any]
 
 
 class FencedTransaction(_TxBase):
@@ -465,14 +479,23 @@ class FencedTransaction(_TxBase):
     psycopg-style ``%s`` placeholders on both stores.
     """
 
-    def __init__(self, connection: Any, plan: FencePlan, dialect: str,
-                 execute: Callable[[str, Any], Any]) -> None:
+    def __init__(self, connection: Any, plan: FencePlan, dialect: str, execute: Execute) -> None:
         super().__init__(connection, plan, dialect)
         self._execute = execute
 
-    def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> Any:
-        """Run one statement in the transaction; returns the driver's cursor."""
-        return self._execute(sql, params)
+    def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None, *,
+                expect_rows: int | None = None) -> Any:
+        """Run one statement in the transaction; returns the driver's cursor.
+
+        ``expect_rows=n`` requires the statement to match exactly ``n`` rows (the
+        rows it changed, or returned for a SELECT / ``RETURNING``): fewer raise
+        ``RecordNotFound``, more ``TooManyRows``, and the transaction cannot commit.
+        """
+        expected = expected_rows(expect_rows)
+        cursor = self._execute(sql, params, expected is not None)
+        if expected is not None:
+            self._require_rows(expected, cursor, sql)
+        return cursor
 
 
 class AsyncFencedTransaction(_TxBase):
@@ -480,14 +503,46 @@ class AsyncFencedTransaction(_TxBase):
     ``await cursor.fetchone()``."""
 
     def __init__(self, connection: Any, plan: FencePlan, dialect: str,
-                 execute: Callable[[str, Any], Awaitable[Any]]) -> None:
+                 execute: Callable[[str, Any, bool], Awaitable[Any]]) -> None:
         super().__init__(connection, plan, dialect)
         self._execute = execute
 
-    async def execute(self, sql: str,
-                      params: Sequence[Any] | Mapping[str, Any] | None = None) -> Any:
-        """Run one statement in the transaction; returns an async cursor."""
-        return await self._execute(sql, params)
+    async def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None, *,
+                      expect_rows: int | None = None) -> Any:
+        """Run one statement in the transaction; returns an async cursor (``expect_rows``: as
+        ``FencedTransaction.execute``)."""
+        expected = expected_rows(expect_rows)
+        cursor = await self._execute(sql, params, expected is not None)
+        if expected is not None:
+            self._require_rows(expected, cursor, sql)
+        return cursor
+
+
+def expected_rows(value: object) -> int | None:
+    """``expect_rows`` validated: None or a row count."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        msg = f"expect_rows must be a row count (an int >= 0) or None, got {value!r}"
+        raise ConfigurationError(msg)
+    return value
+
+
+def matched_rows(cursor: Any) -> int:
+    """Rows a statement returned (if it returns rows) or changed, from a ``counted`` cursor."""
+    matched = getattr(cursor, "matched", None)
+    return int(cursor.rowcount if matched is None else matched)
+
+
+def row_count_error(expected: int, actual: int, sql: str) -> StoreError:
+    """``RecordNotFound`` for fewer rows than expected, ``TooManyRows`` for more."""
+    statement = " ".join(sql.split())
+    statement = statement if len(statement) <= 200 else statement[:199] + "\u2026"
+    plural = "" if expected == 1 else "s"
+    msg = f"expected {expected} row{plural}, the statement matched {actual}: {statement}"
+    if actual < expected:
+        return RecordNotFound(msg, expected=expected, actual=actual)
+    return TooManyRows(msg, expected=expected, actual=actual)
 
 
 # --- the flow --------------------------------------------------------------------------

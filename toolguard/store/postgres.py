@@ -337,7 +337,8 @@ class _Session:
         #: ``abort`` left the ROLLBACK to ``record_failure``, to send it with the audit row.
         self.rollback_pending = False
 
-    def _execute(self, query: str, params: Any) -> psycopg.Cursor[Any]:
+    def _execute(self, query: str, params: Any, counted: bool = False) -> psycopg.Cursor[Any]:
+        # ``counted``: a psycopg cursor's ``rowcount`` already counts returned or changed rows.
         try:
             return self.conn.execute(cast(Any, query), params)
         except psycopg.Error as error:
@@ -565,7 +566,8 @@ class _AsyncSession:
         self.tx: AsyncFencedTransaction | None = None
         self.rollback_pending = False
 
-    async def _execute(self, query: str, params: Any) -> psycopg.AsyncCursor[Any]:
+    async def _execute(self, query: str, params: Any,
+                       counted: bool = False) -> psycopg.AsyncCursor[Any]:
         try:
             return await self.conn.execute(cast(Any, query), params)
         except psycopg.Error as error:

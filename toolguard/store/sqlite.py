@@ -247,11 +247,13 @@ class _Session:
         self.conn = conn
         self.tx: FencedTransaction | AsyncFencedTransaction | None = None
 
-    def execute(self, query: str, params: Any) -> sqlite3.Cursor:
+    def execute(self, query: str, params: Any, counted: bool = False) -> sqlite3.Cursor | Fetched:
+        """One statement; ``counted``: its rows fetched at once, so that they can be counted
+        (sqlite3 counts neither a SELECT's rows nor ``RETURNING`` rows before they are read)."""
         try:
-            if params is None:
-                return self.conn.execute(query)
-            return self.conn.execute(qmark(query), params)
+            conn = self.conn
+            cursor = conn.execute(query) if params is None else conn.execute(qmark(query), params)
+            return Fetched(cursor) if counted else cursor
         except sqlite3.Error as error:
             mapped = translate(error)
             if mapped is error:
@@ -540,30 +542,60 @@ class _Worker:
         self.executor.shutdown(wait=False)
 
 
-class _Rows:
-    """An async cursor over rows already fetched in the worker thread."""
+class _RowsBase:
+    """A statement's rows, all fetched at once; ``matched`` counts them (or the rows changed)."""
 
     def __init__(self, cursor: sqlite3.Cursor) -> None:
         self.description = cursor.description
-        self.rowcount = cursor.rowcount
-        self.lastrowid = cursor.lastrowid
         self._rows = cursor.fetchall() if cursor.description else []
+        self.rowcount = cursor.rowcount  # read after the fetch: RETURNING rows count only then
+        self.lastrowid = cursor.lastrowid
+        self.matched = len(self._rows) if cursor.description else cursor.rowcount
         self._at = 0
 
-    async def fetchone(self) -> Any:
+    def _one(self) -> Any:
         if self._at >= len(self._rows):
             return None
         self._at += 1
         return self._rows[self._at - 1]
 
-    async def fetchall(self) -> list[Any]:
+    def _all(self) -> list[Any]:
         rows, self._at = self._rows[self._at:], len(self._rows)
         return rows
 
-    async def fetchmany(self, size: int = 1) -> list[Any]:
+    def _many(self, size: int) -> list[Any]:
         rows = self._rows[self._at:self._at + size]
         self._at += len(rows)
         return rows
+
+
+class Fetched(_RowsBase):
+    """A sync cursor over rows already fetched (``tx.execute(..., expect_rows=n)``)."""
+
+    def fetchone(self) -> Any:
+        return self._one()
+
+    def fetchall(self) -> list[Any]:
+        return self._all()
+
+    def fetchmany(self, size: int = 1) -> list[Any]:
+        return self._many(size)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._all())
+
+
+class _Rows(_RowsBase):
+    """An async cursor over rows already fetched in the worker thread."""
+
+    async def fetchone(self) -> Any:
+        return self._one()
+
+    async def fetchall(self) -> list[Any]:
+        return self._all()
+
+    async def fetchmany(self, size: int = 1) -> list[Any]:
+        return self._many(size)
 
 
 class _AsyncSession:
@@ -574,9 +606,12 @@ class _AsyncSession:
         self.worker = worker
 
     def _execute_rows(self, query: str, params: Any) -> _Rows:
-        return _Rows(self.sync.execute(query, params))
+        cursor = self.sync.execute(query, params)
+        assert isinstance(cursor, sqlite3.Cursor)
+        return _Rows(cursor)
 
-    async def _execute(self, query: str, params: Any) -> _Rows:
+    async def _execute(self, query: str, params: Any, counted: bool = False) -> _Rows:
+        # Always counted: every row is fetched in the worker thread anyway.
         return await self.worker.run(self._execute_rows, query, params)
 
     async def enter(self, plan: FencePlan) -> AsyncFencedTransaction:
