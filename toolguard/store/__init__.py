@@ -8,10 +8,18 @@
 >>> intent = IntentRecord(tool="deposit", idempotency_key="run-7/call-3",
 ...                       args_hash=args_hash(args), agent="payments", keys=("account:42",))
 >>> with locks.acquire(["account:42"]) as lease:
-...     with store.fenced(lease.tokens, intent) as tx:
+...     with store.fenced(lease, intent) as tx:
 ...         (balance,) = tx.execute("SELECT balance FROM account WHERE id = %s", (42,)).fetchone()
-...         tx.execute("UPDATE account SET balance = %s WHERE id = %s", (balance + 10, 42))
+...         tx.execute("UPDATE account SET balance = %s WHERE id = %s", (balance + 10, 42),
+...                    expect_rows=1)
 ...         tx.record({"balance": balance + 10})
+
+``fenced(lease, intent)`` checks the lease right before the commit
+(``LockLost`` if it was lost or released meanwhile): the same check
+``ToolGuard.run`` makes. ``fenced(lease.tokens, intent)`` still
+works, without that check. ``expect_rows=n`` makes a statement that matches
+another number of rows an error (``RecordNotFound`` for fewer, ``TooManyRows``
+for more) that rolls the transaction back, never a silent no-op.
 
 ``fenced()`` opens one transaction that first checks and advances the fence of
 every key (sorted, so two writers cannot deadlock in the database): a token
@@ -53,6 +61,13 @@ Rejections raise typed errors mapped from the SQLSTATE class ``TG`` (see
 ``InvalidFencingToken``, TG003 ``RecordNotFound``, TG004
 ``IdempotencyConflict``, TG005 ``AuditAppendOnly``.
 
+Recovery: ``run_fenced(locks, store, keys, body)`` locks, writes and
+releases, and when the lock server regressed (it issued a token below the
+store's high-water mark while the lease is still held) re-seeds it from the
+store and retries once. Callers who acquire first and write later get the same
+step from ``reseed_if_regressed(locks, store, lease, stale)`` (see
+``toolguard.store.recovery``); ``reseed`` raises the floors at any time.
+
 Names: ``open_store``/``open_async_store`` pick the backend by URL scheme
 (``postgresql://``/``postgres://`` or ``sqlite:///``). The async store has the
 same methods as coroutines and ``async with store.fenced(...)``. Beyond the
@@ -86,6 +101,16 @@ from toolguard.store.base import (
     latest_version,
     migrations,
 )
+from toolguard.store.recovery import (
+    Outcome,
+    areseed,
+    areseed_if_regressed,
+    arun_fenced,
+    lock_regressed,
+    reseed,
+    reseed_if_regressed,
+    run_fenced,
+)
 
 __all__ = [
     "DECISIONS",
@@ -101,11 +126,19 @@ __all__ = [
     "IntentRecord",
     "IntentStatus",
     "Migration",
+    "Outcome",
     "Replay",
+    "areseed",
+    "areseed_if_regressed",
+    "arun_fenced",
     "latest_version",
+    "lock_regressed",
     "migrations",
     "open_async_store",
     "open_store",
+    "reseed",
+    "reseed_if_regressed",
+    "run_fenced",
 ]
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")

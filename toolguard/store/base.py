@@ -32,6 +32,7 @@ from typing import (
     Any,
     Literal,
     Protocol,
+    TypeGuard,
     runtime_checkable,
 )
 
@@ -44,6 +45,7 @@ from toolguard.errors import (
     IntentRejected,
     InvalidFencingToken,
     LockError,
+    LockLost,
     RecordNotFound,
     StaleFencingToken,
     StoreError,
@@ -64,8 +66,10 @@ __all__ = [
     "Begun",
     "Decision",
     "FencePlan",
+    "FenceSource",
     "FencedTransaction",
     "GuardedStore",
+    "HeldLease",
     "IntentRecord",
     "IntentStatus",
     "Migration",
@@ -76,6 +80,7 @@ __all__ = [
     "latest_version",
     "migrations",
     "qmark",
+    "require_held",
 ]
 
 log = logging.getLogger("toolguard.store")
@@ -321,6 +326,63 @@ def classify(error: BaseException) -> Failure:
     return Failure("failed", "error", "failed")
 
 
+# --- the lease a fenced write runs under -------------------------------------------------------
+
+
+@runtime_checkable
+class HeldLease(Protocol):
+    """What ``fenced()`` needs of a lease (``toolguard.locks.Lease`` is one): its tokens, and
+    whether it is still held."""
+
+    keys: tuple[str, ...]
+    tokens: Mapping[str, int]
+    released: bool
+
+    @property
+    def lost(self) -> bool: ...
+
+    def check(self) -> None: ...
+
+
+#: What ``fenced()`` takes: a lease (checked before the commit) or its tokens alone.
+FenceSource = HeldLease | Mapping[str, int]
+
+
+def _is_lease(value: object) -> TypeGuard[HeldLease]:
+    # Duck-typed (cheaper than a runtime Protocol check, and any lease class will do).
+    return all(hasattr(value, name) for name in ("tokens", "keys", "released", "lost", "check"))
+
+
+def require_held(lease: HeldLease | None) -> None:
+    """Raise ``LockLost`` unless ``lease`` (if any) is still held: neither lost nor released."""
+    if lease is None:
+        return
+    if lease.released:
+        msg = f"the lease on {', '.join(lease.keys)} was released before its fenced write committed"
+        raise LockLost(msg, keys=lease.keys)
+    lease.check()
+
+
+def _lost_meanwhile(lease: HeldLease | None, error: BaseException) -> BaseException:
+    """The lease's loss, if it explains a connection that broke before the commit was sent.
+
+    A next holder may end the transaction of a holder whose lease ran out
+    (PostgreSQL: ``toolguard_fence`` terminates a stale blocker), which the
+    late holder sees as a lost connection: nothing was committed, and the cause
+    is the lease, not the server.
+    """
+    if lease is None or not isinstance(error, BackendUnavailable):
+        return error
+    try:
+        require_held(lease)
+    except LockLost as lost:
+        msg = f"{lost.message}; its fenced transaction was ended meanwhile ({error.message})"
+        superseded = LockLost(msg, keys=lost.keys)
+        superseded.__cause__ = error
+        return superseded
+    return error
+
+
 # --- the fenced-write plan -------------------------------------------------------------
 
 
@@ -329,7 +391,8 @@ class FencePlan:
     """Validated input of one fenced transaction: keys in canonical order, their tokens.
 
     Building never raises: an unusable input is kept as ``problem`` so that the
-    flow can audit it like any other rejection.
+    flow can audit it like any other rejection. ``lease`` is the lease the
+    tokens came from, when the caller passed one.
     """
 
     keys: tuple[str, ...]
@@ -338,18 +401,24 @@ class FencePlan:
     detail: str | None
     started: float
     problem: ToolGuardError | None = None
+    lease: HeldLease | None = None
 
     @classmethod
-    def build(cls, tokens: Mapping[str, int], intent: IntentRecord | None,
+    def build(cls, source: FenceSource, intent: IntentRecord | None,
               detail: str | None = None) -> FencePlan:
         started = time.monotonic()
         problem: ToolGuardError | None = None
         clean: dict[str, int] = {}
+        lease: HeldLease | None = None
+        tokens: Any = source
+        if not isinstance(source, Mapping) and _is_lease(source):
+            lease, tokens = source, source.tokens
         try:
             items = list(tokens.items())
         except AttributeError:
             items = []
-            problem = InvalidFencingToken(f"tokens must be a mapping of key to token, got {tokens!r}")
+            problem = InvalidFencingToken(
+                f"fenced() takes a Lease or a mapping of key to token, got {source!r}")
         for key, token in items:
             if not isinstance(key, str) or not key:
                 problem = problem or InvalidFencingToken(f"fencing keys must be non-empty strings, "
@@ -366,7 +435,7 @@ class FencePlan:
                                             reason="invalid_intent")
             intent = None
         keys = tuple(sorted(clean))
-        return cls(keys, {k: clean[k] for k in keys}, intent, detail, started, problem)
+        return cls(keys, {k: clean[k] for k in keys}, intent, detail, started, problem, lease)
 
     @property
     def idempotency_key(self) -> str | None:
@@ -431,8 +500,8 @@ class _TxBase:
         #: A toolguard error seen by ``execute`` (e.g. TG001 from the tool's own fenced SQL):
         #: re-raised at commit if the tool swallowed it.
         self.failure: ToolGuardError | None = None
-        #: The lease the tokens came from, when the caller holds one (``run_fenced`` sets it).
-        self.lease: Any = None
+        #: The lease the tokens came from, when ``fenced()`` was given one.
+        self.lease: Any = plan.lease
 
     @property
     def result(self) -> Any:
@@ -594,19 +663,29 @@ def _raise(error: BaseException, cause: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def fenced_flow(session: AbstractContextManager[Session], tokens: Mapping[str, int],
+def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
                 intent: IntentRecord | None, detail: str | None) -> Iterator[FencedTransaction]:
-    """Fence, run the tool, record and audit, commit; on failure roll back and audit outside."""
-    plan = FencePlan.build(tokens, intent, detail)
+    """Fence, run the tool, record and audit, commit; on failure roll back and audit outside.
+
+    With a lease, it must still be held right before the commit is sent
+    (``LockLost`` otherwise). It is not checked at entry: a holder that paused
+    before its write meets the fence there, the data tier's own refusal.
+    """
+    plan = FencePlan.build(source, intent, detail)
+    committing = False
     with session as s:
         try:
             if plan.problem is not None:
                 raise plan.problem
             tx = s.enter(plan)
             yield tx
+            require_held(plan.lease)
+            committing = True
             s.finish(tx, plan.entry("accepted", "applied", tx.detail))
         except BaseException as raised:
             error = s.abort(raised)
+            if not committing:
+                error = _lost_meanwhile(plan.lease, error)
             entry, status = plan.failure_entry(error)
             try:
                 s.record_failure(plan, entry, status)
@@ -620,19 +699,24 @@ def fenced_flow(session: AbstractContextManager[Session], tokens: Mapping[str, i
 
 @contextlib.asynccontextmanager
 async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
-                       tokens: Mapping[str, int], intent: IntentRecord | None,
+                       source: FenceSource, intent: IntentRecord | None,
                        detail: str | None) -> AsyncIterator[AsyncFencedTransaction]:
     """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``."""
-    plan = FencePlan.build(tokens, intent, detail)
+    plan = FencePlan.build(source, intent, detail)
+    committing = False
     async with session as s:
         try:
             if plan.problem is not None:
                 raise plan.problem
             tx = await s.enter(plan)
             yield tx
+            require_held(plan.lease)
+            committing = True
             await s.finish(tx, plan.entry("accepted", "applied", tx.detail))
         except BaseException as raised:
             error = await s.abort(raised)
+            if not committing:
+                error = _lost_meanwhile(plan.lease, error)
             entry, status = plan.failure_entry(error)
             try:
                 await s.record_failure(plan, entry, status)
@@ -737,7 +821,7 @@ class GuardedStore(Protocol):
 
     def begin_intent(self, record: IntentRecord) -> Begun | Replay: ...
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> AbstractContextManager[FencedTransaction]: ...
 
     def audit(self, entry: AuditEntry) -> AuditEntry: ...
@@ -769,7 +853,7 @@ class AsyncGuardedStore(Protocol):
 
     async def begin_intent(self, record: IntentRecord) -> Begun | Replay: ...
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> AbstractAsyncContextManager[AsyncFencedTransaction]: ...
 
     async def audit(self, entry: AuditEntry) -> AuditEntry: ...

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, cast
@@ -50,6 +50,7 @@ from toolguard.store.base import (
     Begun,
     FencedTransaction,
     FencePlan,
+    FenceSource,
     IntentRecord,
     IntentStatus,
     Migration,
@@ -490,10 +491,14 @@ class PostgresStore(_PgBase):
                 if session.rollback_pending:
                     session.settle()
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
-        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing."""
-        return fenced_flow(self._session(), tokens, intent, detail)
+        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing.
+
+        ``lease``: a ``Lease`` (checked right before the commit: ``LockLost`` if it was lost
+        or released meanwhile) or a mapping of key to token (no such check).
+        """
+        return fenced_flow(self._session(), lease, intent, detail)
 
     def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
@@ -726,11 +731,11 @@ class AsyncPostgresStore(_PgBase):
                 if session.rollback_pending:
                     await asyncio.shield(session.settle())
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None
                ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
-        """``async with store.fenced(tokens, intent) as tx``: as ``PostgresStore.fenced``."""
-        return afenced_flow(self._session(), tokens, intent, detail)
+        """``async with store.fenced(lease, intent) as tx``: as ``PostgresStore.fenced``."""
+        return afenced_flow(self._session(), lease, intent, detail)
 
     async def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""

@@ -29,7 +29,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -55,6 +55,7 @@ from toolguard.store.base import (
     Begun,
     FencedTransaction,
     FencePlan,
+    FenceSource,
     IntentRecord,
     IntentStatus,
     Migration,
@@ -425,10 +426,14 @@ class SqliteStore:
         with self.connection() as conn:
             yield _Session(self, conn)
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
-        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing."""
-        return fenced_flow(self._session(), tokens, intent, detail)
+        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing.
+
+        ``lease``: a ``Lease`` (checked right before the commit: ``LockLost`` if it was lost
+        or released meanwhile) or a mapping of key to token (no such check).
+        """
+        return fenced_flow(self._session(), lease, intent, detail)
 
     def _record_failure(self, conn: sqlite3.Connection, plan: FencePlan, entry: AuditEntry,
                         status: IntentStatus | None) -> None:
@@ -666,11 +671,11 @@ class AsyncSqliteStore:
             worker.executor.submit(self.sync._connections.give, conn)
             worker.close()
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None
                ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
-        """``async with store.fenced(tokens, intent) as tx``: as ``SqliteStore.fenced``."""
-        return afenced_flow(self._session(), tokens, intent, detail)
+        """``async with store.fenced(lease, intent) as tx``: as ``SqliteStore.fenced``."""
+        return afenced_flow(self._session(), lease, intent, detail)
 
     async def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
