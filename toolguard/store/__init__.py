@@ -185,9 +185,16 @@ def open_store(url: str | None = None, *, install: bool = False, **options: Any)
     return store
 
 
-def open_async_store(url: str | None = None, **options: Any) -> AsyncGuardedStore:
-    """An ``AsyncGuardedStore`` for ``url``; its pool opens on first use (call ``install()``
-    yourself if needed)."""
+def open_async_store(url: str | None = None, *, install: bool = False,
+                     **options: Any) -> AsyncGuardedStore:
+    """An ``AsyncGuardedStore`` for ``url``; its pool opens on first use.
+
+    Options as ``open_store``. ``install=True`` installs or upgrades the schema
+    before the store's first operation: this function is not a coroutine, so
+    the first awaited call runs it (and raises its error, e.g.
+    ``BackendUnavailable``; the next call tries again). ``await store.install()``
+    does it at once.
+    """
     if url is None:
         from toolguard.config import Settings
 
@@ -196,7 +203,7 @@ def open_async_store(url: str | None = None, **options: Any) -> AsyncGuardedStor
         from toolguard.locks import sqlite_path
         from toolguard.store.sqlite import AsyncSqliteStore
 
-        return AsyncSqliteStore(sqlite_path(url), **options)
+        return AsyncSqliteStore(sqlite_path(url), install=install, **options)
     from toolguard.store.postgres import AsyncPostgresStore
 
-    return AsyncPostgresStore(url, **options)
+    return AsyncPostgresStore(url, install=install, **options)

@@ -641,8 +641,11 @@ class AsyncPostgresStore(_PgBase):
     """The asyncio guarded store on PostgreSQL; the pool opens on first use."""
 
     def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
-                 max_size: int = 10, timeout_s: float = 10.0) -> None:
+                 max_size: int = 10, timeout_s: float = 10.0, install: bool = False) -> None:
         super().__init__(url, schema)
+        #: ``install=True``: the schema is installed (or upgraded) before the first operation.
+        self._install_pending = install
+        self._install_lock = asyncio.Lock()
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
             kwargs={"autocommit": True}, configure=self._configure,
@@ -667,10 +670,25 @@ class AsyncPostgresStore(_PgBase):
         with contextlib.suppress(Exception):
             await self._pool.check()
 
+    async def _ready(self) -> None:
+        """Run the install ``install=True`` asked for, once (retried by the next call if it fails)."""
+        if not self._install_pending:
+            return
+        async with self._install_lock:
+            if self._install_pending:
+                await self._install(None)
+
     @contextlib.asynccontextmanager
     async def connection(self, timeout: float | None = None
                          ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A pooled autocommit async connection, errors mapped to toolguard's."""
+        await self._ready()
+        async with self._pooled(timeout) as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def _pooled(self, timeout: float | None = None
+                      ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         if not self._opened:
             await self._pool.open(wait=False)
             self._opened = True
@@ -687,8 +705,16 @@ class AsyncPostgresStore(_PgBase):
 
     async def install(self, steps: Sequence[Migration] | None = None) -> int:
         """Create or upgrade the schema; idempotent, serialized by an advisory lock."""
-        steps = tuple(steps) if steps is not None else migrations(DIALECT)
-        async with self.connection() as conn, conn.transaction():
+        async with self._install_lock:
+            return await self._install(steps)
+
+    async def _install(self, steps: Sequence[Migration] | None) -> int:
+        version = await self._migrate(tuple(steps) if steps is not None else migrations(DIALECT))
+        self._install_pending = False
+        return version
+
+    async def _migrate(self, steps: Sequence[Migration]) -> int:
+        async with self._pooled() as conn, conn.transaction():
             await conn.execute(INSTALL_LOCK)
             create = self._create_schema()
             if create is not None:

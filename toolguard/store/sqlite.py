@@ -641,27 +641,48 @@ class AsyncSqliteStore:
 
     dialect = DIALECT
 
-    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, install: bool = False,
+                 **options: Any) -> None:
         self.sync = SqliteStore(path, **options)
         self.path = self.sync.path
+        #: ``install=True``: the schema is installed (or upgraded) before the first operation.
+        self._install_pending = install
+        self._install_lock = asyncio.Lock()
+
+    async def _ready(self) -> None:
+        """Run the install ``install=True`` asked for, once (retried by the next call if it fails)."""
+        if not self._install_pending:
+            return
+        async with self._install_lock:
+            if self._install_pending:
+                await asyncio.to_thread(self.sync.install)
+                self._install_pending = False
+
+    async def _call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        await self._ready()
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"AsyncSqliteStore({self.path!r})"
 
     async def install(self, steps: Sequence[Migration] | None = None) -> int:
         """Create or upgrade the schema; idempotent."""
-        return await asyncio.to_thread(self.sync.install, steps)
+        async with self._install_lock:
+            version = await asyncio.to_thread(self.sync.install, steps)
+            self._install_pending = False
+        return version
 
     async def schema_version(self) -> int:
         """The installed schema version (0: not installed)."""
-        return await asyncio.to_thread(self.sync.schema_version)
+        return await self._call(self.sync.schema_version)
 
     async def begin_intent(self, record: IntentRecord) -> Begun | Replay:
         """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
-        return await asyncio.to_thread(self.sync.begin_intent, record)
+        return await self._call(self.sync.begin_intent, record)
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[_AsyncSession]:
+        await self._ready()
         worker = _Worker()
         conn = await worker.run(self.sync._connections.take)
         try:
@@ -679,32 +700,33 @@ class AsyncSqliteStore:
 
     async def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
-        return await asyncio.to_thread(self.sync.audit, entry)
+        return await self._call(self.sync.audit, entry)
 
     async def mark_unknown(self, idempotency_key: str,
                            record: IntentRecord | None = None) -> bool:
         """Record that a call was cancelled mid-flight (see ``SqliteStore.mark_unknown``)."""
-        return await asyncio.to_thread(self.sync.mark_unknown, idempotency_key, record)
+        return await self._call(self.sync.mark_unknown, idempotency_key, record)
 
     async def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
         """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
-        return await asyncio.to_thread(self.sync.has_applied, tool, resource_key, workflow)
+        return await self._call(self.sync.has_applied, tool, resource_key, workflow)
 
     async def high_water(self, key: str) -> int:
         """The greatest token accepted for ``key`` (0 if none)."""
-        return await asyncio.to_thread(self.sync.high_water, key)
+        return await self._call(self.sync.high_water, key)
 
     async def high_waters(self, keys: Iterable[str]) -> dict[str, int]:
         """High-water marks of several keys in one query (absent keys are omitted)."""
-        return await asyncio.to_thread(self.sync.high_waters, list(keys))
+        return await self._call(self.sync.high_waters, list(keys))
 
     async def query_audit(self, **filters: Any) -> list[AuditEntry]:
         """Audit rows matching ``filters`` (see ``AuditQuery``), newest first by default."""
-        return await asyncio.to_thread(functools.partial(self.sync.query_audit, **filters))
+        return await self._call(functools.partial(self.sync.query_audit, **filters))
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[sqlite3.Connection]:
         """A raw autocommit connection; use it from ``asyncio.to_thread`` calls only."""
+        await self._ready()
         conn = await asyncio.to_thread(self.sync._connections.take)
         try:
             yield conn
