@@ -81,6 +81,9 @@ __all__ = [
     "migrations",
     "qmark",
     "require_held",
+    "storable_json",
+    "storable_text",
+    "text_problem",
 ]
 
 log = logging.getLogger("toolguard.store")
@@ -138,6 +141,17 @@ class IntentRecord:
             msg = f"intent {self.idempotency_key!r} has an idempotency key but no args_hash"
             raise StoreError(msg, reason="invalid_intent")
         object.__setattr__(self, "keys", tuple(self.keys))
+        for name in _INTENT_TEXT:
+            value = getattr(self, name)
+            for text in (value if name == "keys" else (value,)):
+                problem = text_problem(text) if isinstance(text, str) else None
+                if problem:
+                    msg = f"intent field {name!r} {problem}: {text!r} (the stores cannot keep it)"
+                    raise StoreError(msg, reason="invalid_intent")
+
+
+#: The intent's text that identifies it in the stores: refused, never altered, if unstorable.
+_INTENT_TEXT = ("tool", "idempotency_key", "args_hash", "agent", "workflow", "intent_id", "keys")
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,12 +220,20 @@ class AuditEntry:
         return data
 
     def insert_values(self, dialect: str) -> tuple[Any, ...]:
-        """Column values in ``AUDIT_COLUMNS`` order; JSON columns (and SQLite's keys) as JSON text."""
-        keys: Any = list(self.keys) if dialect == "postgresql" else dump_json(list(self.keys), "keys")
-        return (self.agent, self.tool, self.intent_id, self.idempotency_key, self.workflow,
-                self.decision, self.reason, keys, dump_json(dict(self.tokens), "tokens"),
-                None if self.args is None else dump_json(self.args, "audit args"),
-                self.detail, self.duration_ms, self.node_attempt)
+        """Column values in ``AUDIT_COLUMNS`` order; JSON columns (and SQLite's keys) as JSON text.
+
+        Text a store could not keep (NUL, lone surrogates) gets U+FFFD instead
+        (``storable_text``): an audit row is written whatever it records.
+        """
+        clean = _storable_text
+        listed = [storable_text(k) for k in self.keys]
+        keys: Any = listed if dialect == "postgresql" else _JSON.encode(listed)
+        return (clean(self.agent), clean(self.tool), clean(self.intent_id),
+                clean(self.idempotency_key), clean(self.workflow), storable_text(self.decision),
+                storable_text(self.reason), keys,
+                _JSON.encode({storable_text(k): v for k, v in self.tokens.items()}),
+                None if self.args is None else _audit_json(self.args),
+                clean(self.detail), self.duration_ms, self.node_attempt)
 
 
 AUDIT_COLUMNS = ("agent", "tool", "intent_id", "idempotency_key", "workflow", "decision", "reason",
@@ -226,12 +248,102 @@ _JSON_SCALARS = (str, int, bool, type(None))
 
 
 def dump_json(value: Any, what: str = "result") -> str:
-    """Strict JSON text (no NaN, no arbitrary objects), so both stores keep the same value."""
+    """Strict JSON text (no NaN, no arbitrary objects), so both stores keep the same value.
+
+    Strings must be valid Unicode: a lone surrogate cannot be UTF-8, which both
+    stores keep their text in, so it is refused (``not_json``) and never escaped.
+    """
     try:
-        return _JSON.encode(value)
+        text = _JSON.encode(value)
     except (TypeError, ValueError) as error:
         msg = f"the {what} must be JSON-serializable: {error}"
         raise StoreError(msg, reason="not_json") from error
+    if not text.isascii() and _SURROGATE.search(text):
+        where = _surrogate_path(value, what.rsplit(" ", 1)[-1]) or what
+        msg = (f"the {what} must be valid Unicode: {where} holds a lone surrogate, which "
+               f"UTF-8 cannot encode")
+        raise StoreError(msg, reason="not_json")
+    return text
+
+
+# --- text every store can keep ---------------------------------------------------------------
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_problem(text: str) -> str | None:
+    """Why a store cannot keep ``text`` as it is (None if it can).
+
+    PostgreSQL refuses NUL in ``text`` (SQLite keeps it), and neither store can
+    keep a lone surrogate (no UTF-8 form): refused the same way on both.
+    """
+    if "\x00" in text:
+        return "contains NUL (U+0000)"
+    if not text.isascii() and _SURROGATE.search(text):
+        return "is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def storable_text(text: str) -> str:
+    """``text`` with NUL and lone surrogates replaced by U+FFFD.
+
+    For the audit log only, which must be written whatever arrives (a tool's
+    error message, redacted args): an identity (a key, an idempotency key) is
+    refused instead (``text_problem``), never changed.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    if not text.isascii():
+        text = _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def storable_json(value: Any) -> Any:
+    """A JSON value with every string and object key passed through ``storable_text``."""
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, Mapping):
+        return {storable_text(k) if isinstance(k, str) else k: storable_json(v)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable_json(v) for v in value]
+    return value
+
+
+def _storable_text(value: str | None) -> str | None:
+    return None if value is None else storable_text(value)
+
+
+def _audit_json(value: Any) -> str:
+    """Audit args as JSON text, cleaned first only when they hold text a store refuses."""
+    try:
+        text = _JSON.encode(value)
+    except (TypeError, ValueError) as error:
+        msg = f"the audit args must be JSON-serializable: {error}"
+        raise StoreError(msg, reason="not_json") from error
+    # NUL is escaped as \u0000 in the text (a false alarm on a literal backslash is harmless).
+    if "\\u0000" in text or (not text.isascii() and _SURROGATE.search(text)):
+        text = _JSON.encode(storable_json(value))
+    return text
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """Where in ``value`` the first string (or object key) with a lone surrogate is."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return f"the key {key!r} of {path}"
+            found = _surrogate_path(item, f"{path}[{key!r}]")
+            if found:
+                return found
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = _surrogate_path(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
 
 
 # --- migrations ----------------------------------------------------------------------
@@ -423,6 +535,8 @@ class FencePlan:
             if not isinstance(key, str) or not key:
                 problem = problem or InvalidFencingToken(f"fencing keys must be non-empty strings, "
                                                          f"got {key!r}")
+            elif (unstorable := text_problem(key)) is not None:
+                problem = problem or InvalidFencingToken(f"fencing key {key!r} {unstorable}")
             elif not isinstance(token, int) or isinstance(token, bool) or token <= 0:
                 problem = problem or InvalidFencingToken(
                     f"fencing token for key {key!r} must be a positive integer, got {token!r}")

@@ -85,7 +85,8 @@ ENTER = ("SELECT applied, result FROM toolguard_enter("
          "%s::text[], %s::bigint[], %s::text, %s::text, %s::text, %s::text, %s::text, %s::text[])")
 #: One message (client-side binding): open the transaction and fence it.
 ENTER_TX = "BEGIN; " + ENTER
-APPLY = "SELECT toolguard_apply(%s::text, %s::jsonb, %s::jsonb)"
+#: ``json``, not ``jsonb``: the result's text is kept exactly (NUL, key order, 1e16...).
+APPLY = "SELECT toolguard_record(%s::text, %s::json, %s::jsonb)"
 _AUDIT_VALUES = ("%s, %s, %s, %s, %s, %s, %s, %s::text[], %s::jsonb, %s::jsonb, %s, "
                  "%s::double precision, %s::integer")
 _AUDIT_INTO = f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) VALUES ({_AUDIT_VALUES})"
