@@ -308,6 +308,29 @@ def test_pg_003_records_results_exactly(pg: psycopg.Connection[Any]) -> None:
                        (text,)).sqlstate == "22P05"
 
 
+def test_pg_003_token_locks_are_tagged(pg: psycopg.Connection[Any]) -> None:
+    _install_files(pg, 3)
+    lock = "SELECT toolguard_token_lock(%s)"
+    assert pg.execute(lock, (5,)).fetchone() == ((679 << 53) | 5,)
+    assert pg.execute(lock, (2**60,)).fetchone() == ((679 << 53) | (2**53 - 1),)  # saturated
+    assert pg.execute(lock, (2**53 - 2,)).fetchone()[0] >> 53 == 679
+    mine = ("SELECT ((classid::bigint << 32) | objid::bigint) >> 53, "
+            "((classid::bigint << 32) | objid::bigint) & (2^53 - 1)::bigint FROM pg_locks "
+            "WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND mode = 'ShareLock' "
+            "ORDER BY 1")
+    announce = pg.execute("SELECT toolguard_key_lock('k', 1) & (2^53 - 1)::bigint, "
+                          "toolguard_key_lock('k', 2) & (2^53 - 1)::bigint").fetchone()
+    assert announce is not None
+    with pg.transaction():  # a new key: its token, and the announcement of its first row
+        pg.execute("SELECT toolguard_fence('k', 42)")
+        assert pg.execute(mine).fetchall() == [(679, 42), (680, announce[0]), (681, announce[1])]
+    with pg.transaction():  # an existing key: its token only
+        pg.execute("SELECT toolguard_fence('k', 43)")
+        assert pg.execute(mine).fetchall() == [(679, 43)]
+    assert pg.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                      "AND pid = pg_backend_pid()").fetchone() == (0,)  # released with the tx
+
+
 def test_audit_is_append_only_in_postgresql(pg: psycopg.Connection[Any]) -> None:
     pg.execute(_sql_file("001_initial.sql"))
     pg.execute("INSERT INTO toolguard_audit (decision, reason) VALUES ('accepted', 'applied')")

@@ -15,6 +15,14 @@ rollback, in a transaction of its own) the same way.
 Connections are autocommit; a fenced write opens its own transaction. With
 ``schema=...`` every pooled connection uses that schema alone as its
 ``search_path`` (handy for tests and for several installs in one database).
+
+A holder stopped inside its fenced transaction keeps its fence rows locked;
+since schema version 3 the next holder, whose token for the key is newer, ends
+that transaction once the stopped holder's lease is gone (see
+``toolguard/sql/README.md``: it needs the same role for every client, or
+``pg_signal_backend``). The stopped holder's attempt then fails when it wakes:
+``LockLost`` when it passed its lease to ``fenced()``, else
+``BackendUnavailable``; audited once, its intent not applied.
 """
 
 from __future__ import annotations

@@ -8,10 +8,16 @@ statuses mirror ``toolguard/sql/001_initial.sql`` (see ``sql/sqlite``).
 
 Keep fenced bodies short: while one runs, every other writer of the file
 waits, including a SQLite lock backend that shares the file (the embedded
-default) and its lease renewals. For the same reason a fenced body must not
-call another writing operation of the store or of such a lock backend itself:
-that call waits for the body's own write lock until the busy timeout and
-fails with ``BackendUnavailable``.
+default) and its lease renewals. A holder whose process is stopped inside its
+fenced transaction therefore blocks every writer until it wakes or dies:
+nothing can end another process's SQLite transaction. A blocked writer gives up
+after ``busy_timeout_ms`` (``BackendUnavailable``), and the stopped holder's
+late commit is refused by the lease check of ``fenced(lease, ...)``
+(``LockLost``); no other write could land meanwhile, so nothing is lost, but
+the wait is not bounded (PostgreSQL bounds it: ``toolguard/sql/README.md``).
+For the same reason a fenced body must not call another writing operation of
+the store or of such a lock backend itself: that call waits for the body's own
+write lock until the busy timeout and fails with ``BackendUnavailable``.
 
 The asyncio twin runs each step in a worker thread; a fenced write keeps one
 connection and one worker thread for its whole life, so its statements run in
