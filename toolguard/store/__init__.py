@@ -52,6 +52,17 @@ depends on through ``tx``, never before entering ``fenced()``. Run PostgreSQL
 at READ COMMITTED (the default): each statement then sees the commits of
 every earlier fence holder; every writer of the data must fence the same keys.
 
+A holder paused inside its fenced transaction (a stopped process) keeps its
+fence rows locked. On PostgreSQL the next holder ends that transaction once the
+paused holder's lease is gone (its token for the key is newer), never before:
+a live holder is never cut (``toolguard/sql/README.md``). On SQLite nothing can
+end it; the late commit is still refused by the lease check.
+
+Results are JSON: ``json.dumps(value, allow_nan=False)`` with valid Unicode
+strings, replayed as ``json.loads`` of that text, identically on both stores
+(NUL, key order and ``1e16`` included); a lone surrogate is refused
+(``not_json``).
+
 Tools whose side effect cannot check a token (an external API) get no such
 guarantee from the store: there the lock is only an efficiency measure and the
 idempotency key (passed on to the API) is what prevents duplicates.
@@ -69,7 +80,8 @@ step from ``reseed_if_regressed(locks, store, lease, stale)`` (see
 ``toolguard.store.recovery``); ``reseed`` raises the floors at any time.
 
 Names: ``open_store``/``open_async_store`` pick the backend by URL scheme
-(``postgresql://``/``postgres://`` or ``sqlite:///``). The async store has the
+(``postgresql://``/``postgres://`` or ``sqlite:///``); ``install=True`` installs
+or upgrades the schema (the async store does it before its first operation). The async store has the
 same methods as coroutines and ``async with store.fenced(...)``. Beyond the
 core shape, ``high_waters(keys)`` (one query for several keys, used by the
 re-seed), ``connection()`` (a raw autocommit connection for reads and setup) and
@@ -93,7 +105,9 @@ from toolguard.store.base import (
     Begun,
     Decision,
     FencedTransaction,
+    FenceSource,
     GuardedStore,
+    HeldLease,
     IntentRecord,
     IntentStatus,
     Migration,
@@ -121,8 +135,10 @@ __all__ = [
     "AuditQuery",
     "Begun",
     "Decision",
+    "FenceSource",
     "FencedTransaction",
     "GuardedStore",
+    "HeldLease",
     "IntentRecord",
     "IntentStatus",
     "Migration",
