@@ -256,3 +256,45 @@ def test_old_client_statements_still_fence(ledger: GuardedStore, pg_env: StoreEn
         conn.close()
     assert status_of(ledger, "old") == []
     assert ledger.high_water("k") == 11
+
+
+def test_a_deadlock_between_two_step_waits_is_still_detected(ledger: GuardedStore,
+                                                             pg_env: StoreEnv) -> None:
+    """Two transactions that fence keys in opposite orders (one key each, then the other's:
+    possible for callers of toolguard_fence itself), equal tokens so neither may end the other:
+    the steps grow past deadlock_timeout, so PostgreSQL's deadlock check still runs."""
+    with ledger.fenced({"a": 1, "b": 1}):
+        pass
+    first, second = (psycopg.connect(pg_env.url, autocommit=True) for _ in range(2))
+    try:
+        for conn, key in ((first, "a"), (second, "b")):
+            conn.execute(f"SET search_path TO {pg_env.schema}")
+            conn.execute("BEGIN")
+            conn.execute("SELECT toolguard_fence(%s, 10)", (key,))
+        outcomes: dict[str, object] = {}
+
+        def cross(name: str, conn: psycopg.Connection[Any], key: str) -> None:
+            try:
+                conn.execute("SELECT toolguard_fence(%s, 10)", (key,))
+                outcomes[name] = "fenced"
+            except psycopg.Error as error:
+                outcomes[name] = error.sqlstate
+                conn.execute("ROLLBACK")  # lets the other one through
+
+        threads = [threading.Thread(target=cross, args=("first", first, "b")),
+                   threading.Thread(target=cross, args=("second", second, "a"))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(STUCK_S)
+        stuck = any(t.is_alive() for t in threads)
+        if stuck:  # end the statements, so that the connections can close
+            first.cancel_safe()
+            second.cancel_safe()
+            for thread in threads:
+                thread.join(STUCK_S)
+        assert not stuck, "an undetected deadlock"
+        assert sorted(map(str, outcomes.values())) == ["40P01", "fenced"]
+    finally:
+        first.close()
+        second.close()

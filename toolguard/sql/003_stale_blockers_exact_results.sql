@@ -15,8 +15,9 @@
 --        with each other);
 --      * takes the row lock without waiting when it is free (the common case: no
 --        subtransaction, no extra round trip);
---      * otherwise waits for it in steps (lock_timeout 100 ms, doubling up to 1 s,
---        inside an EXCEPTION block). After each step it looks at the blocker (the
+--      * otherwise waits for it in steps (lock_timeout 100 ms, doubling up to twice
+--        deadlock_timeout, 2 s by default, inside an EXCEPTION block: a long wait
+--        still gets PostgreSQL's deadlock check). After each step it looks at the blocker (the
 --        row's xmax -> the pg_locks transactionid lock -> its pid): if every token
 --        that blocker published is below this transaction's token for the key,
 --        the lock server has granted the key again since the blocker's grant, so
@@ -316,6 +317,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_current bigint;
     v_step_ms integer := 100;
+    v_cap_ms integer;
     v_saved text;
     v_limit interval;
     v_deadline timestamptz;
@@ -340,6 +342,10 @@ BEGIN
         IF v_limit IS NULL THEN
             v_saved := current_setting('lock_timeout');
             v_limit := v_saved::interval;
+            -- Steps grow past deadlock_timeout, so that a wait that lasts still runs
+            -- PostgreSQL's deadlock check (it needs one uninterrupted wait that long).
+            v_cap_ms := greatest(1000, 2 * (extract(epoch FROM
+                            current_setting('deadlock_timeout')::interval) * 1000)::integer);
             IF v_limit > interval '0' THEN
                 v_deadline := clock_timestamp() + v_limit;
             END IF;
@@ -369,7 +375,7 @@ BEGIN
             EXCEPTION
                 WHEN lock_not_available THEN
                     PERFORM toolguard_end_stale_creators(p_key, p_token);
-                    v_step_ms := least(v_step_ms * 2, 1000);
+                    v_step_ms := least(v_step_ms * 2, v_cap_ms);
                 WHEN SQLSTATE 'TG090' THEN
                     NULL;
             END;
@@ -384,7 +390,7 @@ BEGIN
         EXCEPTION
             WHEN lock_not_available THEN
                 PERFORM toolguard_end_stale_blocker(p_key, p_token);
-                v_step_ms := least(v_step_ms * 2, 1000);
+                v_step_ms := least(v_step_ms * 2, v_cap_ms);
             WHEN SQLSTATE 'TG090' THEN
                 NULL;
         END;
