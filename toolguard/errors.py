@@ -29,6 +29,7 @@ __all__ = [
     "RecordNotFound",
     "StaleFencingToken",
     "StoreError",
+    "TooManyRows",
     "ToolGuardError",
     "UnknownTool",
     "is_control_flow",
@@ -138,9 +139,31 @@ class InvalidFencingToken(StoreError):
 
 
 class RecordNotFound(StoreError):
-    """A fenced mutation named a row that does not exist: an error, never a silent no-op."""
+    """A fenced mutation named a row that does not exist: an error, never a silent no-op.
+
+    From ``tx.execute(..., expect_rows=n)``, ``expected`` is ``n`` and ``actual``
+    the rows the statement matched (fewer); from the SQL functions (TG003) both are None.
+    """
 
     reason = "not_found"
+
+    def __init__(self, message: str, *, expected: int | None = None,
+                 actual: int | None = None) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.actual = actual
+
+
+class TooManyRows(StoreError):
+    """``tx.execute(..., expect_rows=n)`` matched more than ``n`` rows: refused, never committed."""
+
+    reason = "too_many_rows"
+
+    def __init__(self, message: str, *, expected: int | None = None,
+                 actual: int | None = None) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.actual = actual
 
 
 class AuditAppendOnly(StoreError):
