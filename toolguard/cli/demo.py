@@ -24,7 +24,7 @@ from toolguard.extras import require
 from toolguard.store.cli import is_postgres_url, probe_postgres
 
 if TYPE_CHECKING:
-    from toolguard.demo import DemoEvent, Report
+    from toolguard.demo import CrmReport, DemoEvent, Report
 
 #: The demo's tools that write a lead or the CRM (request_review only asks a person).
 WRITE_TOOLS = frozenset({"enrich_lead", "update_intent_score", "verify_email", "set_tier",
@@ -342,7 +342,7 @@ def next_commands(store_url: str, stale_id: int | None, command: str | None = No
     return lines
 
 
-def _crm_summary(out: Console, crm: Any) -> None:
+def _crm_summary(out: Console, crm: CrmReport) -> None:
     """The CRM's side: its records, and what it decided that was not a plain 'applied'."""
     n = len(crm.expected)
     right = sum(1 for lead in crm.expected if not any(m[0] == lead for m in crm.mismatches))
@@ -429,7 +429,7 @@ def _comparison(unguarded: Report, guarded: Report) -> Table:
     return table
 
 
-def _late_cell(crm: Any) -> Text:
+def _late_cell(crm: CrmReport) -> Text:
     late = crm.late_copy
     if late is None:
         return Text("replayed: applied in an earlier run", style="cyan") if crm.fenced \
@@ -438,6 +438,8 @@ def _late_cell(crm: Any) -> Text:
         return Text("landed", style="red")
     if late.replayed:
         return Text("replayed by the CRM: applied in an earlier run", style="cyan")
+    if not late.status:
+        return Text(f"never arrived ({late.detail})", style="yellow")
     refused = [e for e in crm.audit if e.reason == "stale_fencing_token"]
     where = f" (CRM audit #{refused[0].id})" if refused else ""
     return Text(f"refused by the CRM: {late.status}{where}", style="green")

@@ -134,6 +134,7 @@ class CrmService:
         self._start_id = 0
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
 
     @property
     def label(self) -> str:
@@ -175,6 +176,9 @@ class CrmService:
             self._thread.join(_STOP_TIMEOUT_S)
             self._thread = None
         self._server = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.close()
@@ -190,8 +194,8 @@ class CrmService:
         ready = threading.Event()
         service_store = open_async_store(self.store_url, **self.store_options)
         app = _app(self, service_store, ready)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
+        self._socket = sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # a free port, bound before the server starts: no race
         sock.listen(128)
         port = sock.getsockname()[1]
         # log_config=None: leave the host's logging alone (uvicorn would reconfigure it).

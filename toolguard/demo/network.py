@@ -84,10 +84,11 @@ class CrmNetwork(httpx.BaseTransport):
         if push is not None and response.status_code < 400:
             with self._cond:
                 self._landed[(push[1], push[2])] += 1
+                if fault == "lost":
+                    self.lost_answers += 1
                 self._cond.notify_all()
         if fault == "lost":
             assert push is not None
-            self.lost_answers += 1
             self.notify(DemoEvent("network", push[1], agent=push[0],
                                   detail=f"the CRM applied the {push[2]} push (HTTP "
                                          f"{response.status_code}), then the connection dropped: "
