@@ -54,8 +54,10 @@ CRM_MEANING = {
 def demo(
     directory: Annotated[Path | None, typer.Option(
         "--dir", metavar="DIR", file_okay=False, dir_okay=True, writable=True, resolve_path=True,
-        help="Where the embedded SQLite files go (default ./.toolguard, like every command). "
-             "Servers are used instead when TOOLGUARD_REDIS_URL / TOOLGUARD_DATABASE_URL are set.",
+        help="Where the embedded SQLite files go (default ./.toolguard, like every command), "
+             "the demo CRM's crm.db too. Servers are used instead when TOOLGUARD_REDIS_URL / "
+             "TOOLGUARD_DATABASE_URL are set (the CRM's store is then the schema "
+             "toolguard_demo_crm of that database).",
         show_default=False)] = None,
     policy: Annotated[Path | None, typer.Option(
         "--policy", metavar="FILE", exists=True, dir_okay=False, readable=True,

@@ -36,9 +36,10 @@ the fences and idempotency keys itself (``FenceMiddleware``): it replays the
 first and refuses the second with ``409``, and its own audit log shows both.
 
 The expected records are computed from the scenario alone (``expected_records``,
-``expected_crm_records``), never from the database, and the ``Report`` compares. The scenario's data is in
-``toolguard.demo.scenario``, the fault injection in ``toolguard.demo.harness``;
-this module holds the model, the tools, the graph and the report.
+``expected_crm_records``), never from the database, and the ``Report``
+compares. The scenario's data is in ``toolguard.demo.scenario``, the fault
+injection in ``toolguard.demo.harness`` and ``toolguard.demo.network``; this
+module holds the model, the tools, the graph and the report.
 """
 
 from __future__ import annotations
