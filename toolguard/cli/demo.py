@@ -43,9 +43,9 @@ MEANING = {
 
 #: What the CRM decided that was not a plain "applied", in words (its own audit log).
 CRM_MEANING = {
-    "stale_fencing_token": "the enricher's push, stuck in the network, arrived after the newer "
-                           "pushes of the lead: its lease's token was older than one the CRM had "
-                           "seen, so the CRM refused it",
+    "stale_fencing_token": "the enricher's push, stuck in the network, arrived after its retry "
+                           "and the router's push: its lease's token was older than the retry's, "
+                           "so the CRM refused it",
     "duplicate": "the router's push was applied, but its answer was lost; sent again with the "
                  "same Idempotency-Key, it got the recorded answer and was not applied twice",
 }
@@ -72,7 +72,7 @@ def demo(
 
     First without toolguard (lost updates, a double-applied retry, a tier set before
     scoring, a stalled worker's late write landing; in the CRM, a push applied twice and
-    a stuck push landing over newer ones), then with it: the records come out right, the
+    a stuck push landing last), then with it: the records come out right, the
     stalled write is refused by the fence, the CRM itself replays the push sent again and
     refuses the stuck one (409), and every decision is audited, the CRM's in its own
     store. Runs offline on the embedded SQLite default (the CRM on a loopback port);
@@ -425,7 +425,7 @@ def _comparison(unguarded: Report, guarded: Report) -> Table:
                       *(Text(f"{k}/{m}", style="green" if k == m else "red") for k in crm_right))
         table.add_row("CRM pushes applied twice (sent again after a dropped connection)",
                       count(unguarded, "crm_double_push"), count(guarded, "crm_double_push"))
-        table.add_row("CRM push stuck in the network, arriving after newer ones",
+        table.add_row("CRM push stuck in the network, arriving last",
                       _late_cell(unguarded.crm), _late_cell(guarded.crm))
     table.add_row("time", f"{unguarded.duration_s:.1f} s", f"{guarded.duration_s:.1f} s")
     return table

@@ -31,9 +31,10 @@ the router once it has a tier (``push_to_crm``). Two pushes go wrong on the
 way (``toolguard.demo.network``): on ``L-102`` the router's push is applied
 but its answer is lost, and the router sends it again; on ``L-103`` the
 enricher's push is stuck in the network, the enricher sends it again, and the
-stuck copy arrives after the newer pushes. With the guard on, the CRM checks
-the fences and idempotency keys itself (``FenceMiddleware``): it replays the
-first and refuses the second with ``409``, and its own audit log shows both.
+stuck copy arrives after that retry and the router's push. With the guard on,
+the CRM checks the fences and idempotency keys itself (``FenceMiddleware``): it
+replays the first and refuses the second with ``409``, and its own audit log
+shows both.
 
 The expected records are computed from the scenario alone (``expected_records``,
 ``expected_crm_records``), never from the database, and the ``Report``
@@ -878,8 +879,8 @@ def _crm_findings(crm: CrmReport) -> list[Finding]:
     late = crm.late_copy
     if late is not None and late.landed:
         found.append(Finding(late.lead_id, "crm_late_push",
-                             f"{late.agent}'s push, stuck in the network, landed after the newer "
-                             f"pushes of that lead: the CRM now holds the older copy"))
+                             f"{late.agent}'s push, stuck in the network, landed last, after its "
+                             f"retry and the router's push: the CRM now holds the older copy"))
     return found
 
 

@@ -5,7 +5,7 @@
   the push landed, so it sends it again.
 - ``CRM_DELAYED`` (the enricher on ``L-103``): the push gets stuck in the
   network and the connection drops before the CRM has seen it. The agent sends
-  it again; the stuck copy reaches the CRM only after the newer pushes of that
+  it again; the stuck copy reaches the CRM only after the other pushes of that
   lead (the agent's own retry and the router's) have landed, long after anyone
   was waiting for its answer.
 
@@ -35,7 +35,7 @@ __all__ = ["CrmNetwork", "LateCopy"]
 
 _PATH_PREFIX = "/leads/"
 _RELEASE_TIMEOUT_S = 10.0
-#: What the stuck copy waits for before it arrives: the newer pushes of its lead.
+#: What the stuck copy waits for before it arrives: a landed push of its lead in each stage.
 _NEWER = tuple(STAGES.values())
 
 
@@ -120,7 +120,7 @@ class CrmNetwork(httpx.BaseTransport):
         self._courier.start()
 
     def _deliver(self, copy: tuple[str, str, list[Any], bytes], agent: str, lead_id: str) -> None:
-        """Send the stuck copy once the newer pushes of its lead have landed (or the run is over)."""
+        """Send the stuck copy once the other pushes of its lead have landed (or the run is over)."""
         with self._cond:
             self._cond.wait_for(lambda: self._finished or all(
                 self._landed[(lead_id, stage)] for stage in _NEWER), _RELEASE_TIMEOUT_S)
@@ -138,7 +138,7 @@ class CrmNetwork(httpx.BaseTransport):
         self.late_copy = LateCopy(lead_id, agent, response.status_code, reason, detail, replayed)
         verdict = ("refused it" if response.status_code >= 400 else
                    "answered with its recorded response" if replayed else
-                   "applied it, over the newer pushes")
+                   "applied it, over the pushes that landed before it")
         self.notify(DemoEvent("late", lead_id, agent=agent,
                               detail=f"the stuck push reached the CRM at last: {detail}; the CRM "
                                      f"{verdict}"))

@@ -161,7 +161,8 @@ CRASHES = ("update_intent_score", "L-102")
 #: is lost, so the agent cannot tell whether it landed and sends it again.
 CRM_LOST_ANSWER = ("router", "L-102")
 #: (agent, lead): the CRM push stuck in the network: the connection drops before the CRM
-#: sees it, the agent sends it again, and the stuck copy arrives after the newer pushes.
+#: sees it, the agent sends it again, and the stuck copy arrives after that retry and the
+#: router's push.
 CRM_DELAYED = ("lead_enricher", "L-103")
 
 
