@@ -22,6 +22,7 @@ from toolguard.cli._common import EXIT_CODES_HELP
 from toolguard.cli.audit import audit_app
 from toolguard.cli.demo import demo
 from toolguard.cli.doctor import doctor
+from toolguard.cli.pause import pause, resume
 from toolguard.cli.serve import serve
 from toolguard.policies.cli import policy_app
 from toolguard.store.cli import db_app
@@ -68,3 +69,5 @@ app.command("doctor")(doctor)
 app.add_typer(policy_app, name="policy", help="Check toolguard policy files (file:line errors).")
 app.add_typer(db_app, name="db")
 app.command("serve")(serve)
+app.command("pause")(pause)
+app.command("resume")(resume)
