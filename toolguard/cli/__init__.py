@@ -19,6 +19,7 @@ import typer
 
 from toolguard import __version__
 from toolguard.cli._common import EXIT_CODES_HELP
+from toolguard.cli.approve import approve, deny
 from toolguard.cli.audit import audit_app
 from toolguard.cli.demo import demo
 from toolguard.cli.doctor import doctor
@@ -71,3 +72,5 @@ app.add_typer(db_app, name="db")
 app.command("serve")(serve)
 app.command("pause")(pause)
 app.command("resume")(resume)
+app.command("approve")(approve)
+app.command("deny")(deny)
