@@ -26,8 +26,8 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 
 
 EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
-                                      (3, "003_stale_blockers_exact_results")],
-                       "sqlite": [(1, "001_initial")]}
+                                      (3, "003_stale_blockers_exact_results"), (4, "004_controls")],
+                       "sqlite": [(1, "001_initial"), (2, "002_controls")]}
 
 
 def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:
