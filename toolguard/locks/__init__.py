@@ -35,7 +35,10 @@ __all__ = [
     "sqlite_path",
 ]
 
-SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd")
+SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd",
+           "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+#: Redis Cluster and Sentinel (``toolguard.locks.redis_ha``): the Redis scripts, other clients.
+REDIS_HA_SCHEMES = SCHEMES[-4:]
 
 
 def sqlite_path(url: str) -> str:
@@ -54,6 +57,10 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         from toolguard.locks.redis import RedisBackend
 
         return RedisBackend(url, **options)
+    if scheme in REDIS_HA_SCHEMES:
+        from toolguard.locks.redis_ha import open_sync
+
+        return open_sync(url, **options)
     if scheme == "sqlite":
         from toolguard.locks.sqlite import SqliteBackend
 
@@ -76,6 +83,10 @@ def _async_backend(url: str, sync: LockBackend, **options: Any) -> AsyncLockBack
         from toolguard.locks.redis import AsyncRedisBackend
 
         return AsyncRedisBackend(url, **options)
+    if scheme in REDIS_HA_SCHEMES:
+        from toolguard.locks.redis_ha import open_async
+
+        return open_async(url, **options)
     if scheme in ("postgresql", "postgres"):
         from toolguard.locks.postgres import AsyncPostgresBackend, PostgresBackend
 
