@@ -46,7 +46,8 @@ from redis.exceptions import (
     AskError,
     ClusterError,
     ReadOnlyError,
-    SlotNotCoveredError,
+    RedisClusterException,
+    RedisError,
     TryAgainError,
 )
 
@@ -88,9 +89,10 @@ SENTINEL_INFO = BackendInfo(
          "replication): the store's fence refuses the stale holder",
 )
 
-#: Replies a cluster gives while it moves slots or elects a primary: the step did not run
-#: (or its outcome is unknown), so the caller may try again, as after a dropped connection.
-_CLUSTER_TRANSIENT = (ClusterError, TryAgainError, AskError, SlotNotCoveredError, ReadOnlyError)
+#: Replies a cluster gives while it moves slots or elects a primary, and redis-py's own
+#: "no node reachable / slot not covered": the step did not run (or its outcome is
+#: unknown), so the caller may try again, as after a dropped connection.
+_CLUSTER_TRANSIENT = (ClusterError, TryAgainError, AskError, RedisClusterException, ReadOnlyError)
 
 _FLOAT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 _SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
@@ -225,7 +227,12 @@ def cluster_client(url: str | RedisUrl) -> redis.cluster.RedisCluster:
     """A sync ``RedisCluster`` for a ``redis+cluster://`` URL."""
     parsed = parse_redis_ha_url(url) if isinstance(url, str) else url
     nodes = [redis.cluster.ClusterNode(host, port) for host, port in parsed.nodes]
-    return redis.cluster.RedisCluster(startup_nodes=nodes, **parsed.connection_options())
+    try:  # unlike a single-server client, it reads the slot map at once
+        return redis.cluster.RedisCluster(startup_nodes=nodes, **parsed.connection_options())
+    except (RedisError, RedisClusterException, OSError) as error:
+        nodes_text = ",".join(f"{h}:{p}" for h, p in parsed.nodes)
+        msg = f"redis cluster at {nodes_text}: {error}"
+        raise BackendUnavailable(msg) from error
 
 
 def async_cluster_client(url: str | RedisUrl) -> acluster.RedisCluster:
