@@ -222,24 +222,38 @@ class RedisClusterGroup:
         self.root = Path(tempfile.mkdtemp(prefix="toolguard-rcluster-"))
         self.size = primaries * (1 + replicas)
         self.replicas = replicas
-        self.nodes: list[RedisNode] = []
-        for i in range(self.size):
-            node = RedisNode(f"n{i}", self.root)
+        self.node_timeout_ms = node_timeout_ms
+        self.nodes = [RedisNode(f"n{i}", self.root) for i in range(self.size)]
+        self._assign_ports()
+
+    def _assign_ports(self) -> None:
+        for node in self.nodes:
+            node.port = free_port()
             node.args = ("--cluster-enabled", "yes",
                          "--cluster-config-file", str(node.dir / "nodes.conf"),
-                         "--cluster-node-timeout", str(node_timeout_ms),
+                         "--cluster-node-timeout", str(self.node_timeout_ms),
                          "--cluster-port", str(free_port()),
                          "--cluster-replica-validity-factor", "0",
                          "--cluster-allow-reads-when-down", "no")
-            self.nodes.append(node)
 
     @property
     def url(self) -> str:
         return "redis+cluster://" + ",".join(n.address for n in self.nodes)
 
-    def start(self, timeout_s: float = 30.0) -> RedisClusterGroup:
-        for node in self.nodes:
-            node.start()
+    def start(self, timeout_s: float = 30.0, attempts: int = 3) -> RedisClusterGroup:
+        """Start the nodes and create the cluster; on a port taken meanwhile, try new ports."""
+        for attempt in range(attempts):
+            try:
+                for node in self.nodes:
+                    node.start()
+                break
+            except RuntimeError:
+                for node in self.nodes:
+                    node.stop()
+                    (node.dir / "nodes.conf").unlink(missing_ok=True)
+                if attempt == attempts - 1:
+                    raise
+                self._assign_ports()
         command = [REDIS_CLI, "--cluster", "create", *(n.address for n in self.nodes),
                    "--cluster-replicas", str(self.replicas), "--cluster-yes"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
