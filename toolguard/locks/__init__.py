@@ -35,10 +35,10 @@ __all__ = [
     "sqlite_path",
 ]
 
-SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd",
-           "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
 #: Redis Cluster and Sentinel (``toolguard.locks.redis_ha``): the Redis scripts, other clients.
-REDIS_HA_SCHEMES = SCHEMES[-4:]
+REDIS_HA_SCHEMES = ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd",
+           *REDIS_HA_SCHEMES)
 
 
 def sqlite_path(url: str) -> str:
