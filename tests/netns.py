@@ -246,6 +246,11 @@ class NetLab:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=10)
         for name in reversed(self.namespaces):
+            # Whatever still runs in a namespace of ours was started in it by us (a server
+            # that daemonized, such as the postmaster): it goes with the namespace.
+            for pid in _run(["ip", "netns", "pids", name], check=False).split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             _run(["ip", "netns", "del", name], check=False)
         self.namespaces.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
