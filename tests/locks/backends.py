@@ -113,6 +113,34 @@ def _redis_steal(url: str, key: str) -> None:
         client.set(redis_keys(key)[0][0], "intruder:60000", px=60_000)
 
 
+def _redis_ha_client(url: str) -> Any:
+    """A client of the node(s) behind a Cluster or Sentinel URL (not through the backend)."""
+    from toolguard.locks.redis_ha import cluster_client, parse_redis_ha_url, sentinel_client
+
+    parsed = parse_redis_ha_url(url)
+    return cluster_client(parsed) if parsed.service is None else sentinel_client(parsed)
+
+
+def _redis_ha_drop(url: str, key: str) -> None:
+    from toolguard.locks.redis import redis_keys
+
+    client = _redis_ha_client(url)
+    try:
+        client.delete(redis_keys(key)[0][0])
+    finally:
+        client.close()
+
+
+def _redis_ha_steal(url: str, key: str) -> None:
+    from toolguard.locks.redis import redis_keys
+
+    client = _redis_ha_client(url)
+    try:
+        client.set(redis_keys(key)[0][0], "intruder:60000", px=60_000)
+    finally:
+        client.close()
+
+
 # --- sqlite ---------------------------------------------------------------------------------
 
 
@@ -194,6 +222,20 @@ BACKENDS: dict[str, BackendFactory] = {
         make_url=lambda server, _tmp: str(server),
         drop=_redis_drop,
         steal=_redis_steal,
+    ),
+    "redis-cluster": BackendFactory(
+        name="redis-cluster",
+        server_fixture="redis_cluster_url",  # a private cluster: tests/redis_ha.py
+        make_url=lambda server, _tmp: str(server),
+        drop=_redis_ha_drop,
+        steal=_redis_ha_steal,
+    ),
+    "redis-sentinel": BackendFactory(
+        name="redis-sentinel",
+        server_fixture="redis_sentinel_url",  # a private Sentinel group: tests/redis_ha.py
+        make_url=lambda server, _tmp: str(server),
+        drop=_redis_ha_drop,
+        steal=_redis_ha_steal,
     ),
     "sqlite": BackendFactory(
         name="sqlite",

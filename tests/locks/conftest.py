@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from redis_ha import redis_cluster_url, redis_sentinel_url  # noqa: F401  (server fixtures)
 from servers import private_redis  # noqa: F401  (a fixture for the Redis fault tests)
 
 from locks.backends import BACKENDS, LockEnv

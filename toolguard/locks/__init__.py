@@ -36,7 +36,10 @@ __all__ = [
     "sqlite_path",
 ]
 
-SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd")
+#: Redis Cluster and Sentinel (``toolguard.locks.redis_ha``): the Redis scripts, other clients.
+REDIS_HA_SCHEMES = ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd",
+           *REDIS_HA_SCHEMES)
 
 
 def sqlite_path(url: str) -> str:
@@ -56,6 +59,10 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         from toolguard.locks.redis import RedisBackend
 
         return RedisBackend(url, **options)
+    if scheme in REDIS_HA_SCHEMES:
+        from toolguard.locks.redis_ha import open_sync
+
+        return open_sync(url, **options)
     if scheme == "sqlite":
         from toolguard.locks.sqlite import SqliteBackend
 
@@ -80,6 +87,10 @@ def _async_backend(url: str, sync: LockBackend, **options: Any) -> AsyncLockBack
         from toolguard.locks.redis import AsyncRedisBackend
 
         return AsyncRedisBackend(url, **options)
+    if scheme in REDIS_HA_SCHEMES:
+        from toolguard.locks.redis_ha import open_async
+
+        return open_async(url, **options)
     if scheme in ("postgresql", "postgres"):
         from toolguard.locks.postgres import AsyncPostgresBackend, PostgresBackend
 
