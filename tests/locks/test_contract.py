@@ -364,3 +364,69 @@ def test_raise_floor_makes_the_next_token_exceed_it(backend: LockEnv) -> None:
     locks.raise_floor(key, before)  # a lower floor never lowers the counter
     with locks.acquire(key) as lease:
         assert lease.token > floor
+
+
+WAIT_OPTIONS = ["timeout_s", "round_wait_s", "backoff_base_s", "backoff_cap_s"]
+BAD_SECONDS = [-1, -0.001, float("nan"), float("inf"), "5", True, None, [1]]
+
+
+@pytest.mark.parametrize("option", WAIT_OPTIONS)
+def test_bad_wait_options_are_configuration_errors_naming_the_value(backend: LockEnv,
+                                                                    option: str) -> None:
+    for bad in BAD_SECONDS:
+        with pytest.raises(ConfigurationError) as caught:
+            connect(backend.url, **{option: bad})
+        assert option in str(caught.value) and repr(bad) in str(caught.value)
+    if option != "timeout_s":
+        return
+    locks = backend.manager()
+    for bad in BAD_SECONDS:
+        if bad is None:  # None per call means "the manager's default"
+            continue
+        with pytest.raises(ConfigurationError) as caught:
+            locks.acquire(backend.key("k"), timeout_s=bad)  # type: ignore[arg-type]
+        assert "timeout_s" in str(caught.value) and repr(bad) in str(caught.value)
+    with locks.acquire(backend.key("k"), timeout_s=0) as lease:  # zero: one try, no wait
+        assert lease.token
+
+
+def test_round_wait_must_be_positive_and_the_backoff_cap_above_its_base(backend: LockEnv) -> None:
+    with pytest.raises(ConfigurationError, match="round_wait_s"):
+        connect(backend.url, round_wait_s=0)
+    with pytest.raises(ConfigurationError, match="backoff_cap_s"):
+        connect(backend.url, backoff_base_s=0.5, backoff_cap_s=0.1)
+
+
+@pytest.mark.parametrize("keys", [42, [42], b"lead:1", None, [["a"]], 4.2, object()])
+def test_keys_of_the_wrong_type_are_configuration_errors(backend: LockEnv, keys: object) -> None:
+    locks = backend.manager()
+    with pytest.raises(ConfigurationError) as caught:
+        locks.acquire(keys)  # type: ignore[arg-type]
+    assert "lock keys" in str(caught.value)
+
+
+def test_unknown_or_bad_connect_options_are_configuration_errors(backend: LockEnv) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        connect(backend.url, wait_timeout=5)
+    assert "wait_timeout" in str(caught.value)
+    with pytest.raises(ConfigurationError) as caught:
+        connect(backend.url, presence_ms=-5)
+    assert "presence_ms" in str(caught.value) and "-5" in str(caught.value)
+
+
+def test_async_acquire_checks_its_arguments_when_called(backend: LockEnv) -> None:
+    import asyncio
+
+    async def main() -> None:
+        locks = backend.async_manager()
+        try:
+            with pytest.raises(ConfigurationError):
+                locks.acquire(42)  # type: ignore[arg-type]
+            with pytest.raises(ConfigurationError, match="timeout_s"):
+                locks.acquire(backend.key("k"), timeout_s=-1)
+            with pytest.raises(ConfigurationError, match="ttl_ms"):
+                locks.acquire(backend.key("k"), ttl_ms=5)
+        finally:
+            await locks.aclose()
+
+    asyncio.run(main())
