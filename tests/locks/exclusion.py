@@ -32,7 +32,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,8 @@ from typing import Any
 from toolguard.errors import BackendUnavailable, LockTimeout
 from toolguard.locks import AsyncLockManager, Lease, LockManager, connect, connect_async
 
-__all__ = ["Workload", "problems", "read_records", "run_workload"]
+__all__ = ["INVARIANTS", "Outcome", "Workload", "problems", "read_records", "run_workload",
+           "stop_one", "violations"]
 
 spawn = multiprocessing.get_context("spawn")
 
@@ -149,9 +150,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def problems(records: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Every violation of the three invariants (empty: none)."""
-    found: list[str] = []
+#: The invariants ``violations`` checks, in the order of the module docstring.
+INVARIANTS = ("one_holder", "grant_order", "server_token")
+
+
+def violations(records: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Per invariant, every violation found (empty lists: none)."""
+    found: dict[str, list[str]] = {name: [] for name in INVARIANTS}
     by_key: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for record in records:
         if "token" in record:
@@ -160,22 +165,30 @@ def problems(records: Iterable[Mapping[str, Any]]) -> list[str]:
         valid = sorted((r for r in held if r["end"] > r["start"]), key=lambda r: r["start"])
         for a, b in itertools.pairwise(valid):
             if b["start"] < a["end"]:
-                found.append(f"two holders of {key} at once: token {a['token']} (pid {a['pid']}) "
-                             f"until {a['end']:.3f}, token {b['token']} (pid {b['pid']}) "
-                             f"from {b['start']:.3f}")
+                found["one_holder"].append(f"two holders of {key} at once: {dict(a)} and "
+                                           f"{dict(b)}")
             if b["token"] <= a["token"]:
-                found.append(f"{key}: token {b['token']} held after token {a['token']}")
+                found["grant_order"].append(f"{key}: token {b['token']} held after token "
+                                            f"{a['token']}")
         for record in held:
             if not record["lost"] and record["server"] != record["token"]:
-                found.append(f"{key}: lease with token {record['token']} (pid {record['pid']}) "
-                             f"returned while the server's current token was {record['server']}")
+                found["server_token"].append(
+                    f"{key}: lease with token {record['token']} (pid {record['pid']}) returned "
+                    f"while the server's current token was {record['server']}")
     return found
+
+
+def problems(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Every violation of the three invariants (empty: none)."""
+    return [problem for found in violations(records).values() for problem in found]
 
 
 @dataclass
 class Outcome:
     records: list[dict[str, Any]]
     stops: int
+    #: When the last disruption ended (``time.monotonic()``).
+    healed_at: float = 0.0
 
     @property
     def leases(self) -> list[dict[str, Any]]:
@@ -185,11 +198,26 @@ class Outcome:
         return [r for r in self.records if r.get("event") in ("LockTimeout", "BackendUnavailable")]
 
 
+def stop_one(processes: Sequence[Any], rng: random.Random, work: Workload,
+             pause_ttls: tuple[float, float] = (2.0, 3.0)) -> None:
+    """SIGSTOP one random agent process for ``pause_ttls`` TTLs, then SIGCONT it."""
+    victim = rng.choice(processes)
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        time.sleep(rng.uniform(*pause_ttls) * work.ttl_ms / 1000)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+
+
 def run_workload(work: Workload, tmp_path: Path, modes: Sequence[str], *, agents: int = 3,
                  seconds: float = 5.0, pause_ttls: tuple[float, float] = (2.0, 3.0),
-                 seed: int = 0) -> Outcome:
-    """Agent processes (one per entry of ``modes``) under random SIGSTOP/SIGCONT for
-    ``seconds``; returns what they recorded once all of them have stopped."""
+                 seed: int = 0, gap_s: tuple[float, float] = (0.05, 0.3),
+                 disrupt: Callable[[Sequence[Any], random.Random], None] | None = None,
+                 settle_s: float = 0.0) -> Outcome:
+    """Agent processes (one per entry of ``modes``) under repeated disruptions for
+    ``seconds`` (by default: a random process stopped for two to three TTLs), then
+    ``settle_s`` undisturbed; returns what they recorded once all of them have stopped."""
     log_path = tmp_path / f"leases-{seed}.jsonl"
     stop = tmp_path / f"stop-{seed}"
     processes = [spawn.Process(target=agent_process, daemon=True,
@@ -198,7 +226,11 @@ def run_workload(work: Workload, tmp_path: Path, modes: Sequence[str], *, agents
     for process in processes:
         process.start()
     rng = random.Random(seed)
+    if disrupt is None:
+        def disrupt(procs: Sequence[Any], rng: random.Random) -> None:
+            stop_one(procs, rng, work, pause_ttls)
     stops = 0
+    healed_at = time.monotonic()
     try:
         deadline = time.monotonic() + 60
         while (sum(1 for r in read_records(log_path) if r.get("event") == "started")
@@ -208,15 +240,11 @@ def run_workload(work: Workload, tmp_path: Path, modes: Sequence[str], *, agents
         time.sleep(0.5)  # every agent is holding or in line
         until = time.monotonic() + seconds
         while time.monotonic() < until:
-            victim = rng.choice(processes)
-            assert victim.pid is not None
-            os.kill(victim.pid, signal.SIGSTOP)
-            try:
-                time.sleep(rng.uniform(*pause_ttls) * work.ttl_ms / 1000)
-            finally:
-                os.kill(victim.pid, signal.SIGCONT)
+            disrupt(processes, rng)
             stops += 1
-            time.sleep(rng.uniform(0.05, 0.3))
+            healed_at = time.monotonic()
+            time.sleep(rng.uniform(*gap_s))
+        time.sleep(settle_s)
     finally:
         stop.touch()
         for process in processes:
@@ -226,4 +254,4 @@ def run_workload(work: Workload, tmp_path: Path, modes: Sequence[str], *, agents
             if process.is_alive():
                 process.kill()
                 process.join(5)
-    return Outcome(read_records(log_path), stops)
+    return Outcome(read_records(log_path), stops, healed_at)
