@@ -79,10 +79,10 @@ def test_schema_is_created_once_with_its_own_table_names(postgres_url: str) -> N
                                                   "'toolguard_lock%%'")}
     assert tables == {"toolguard_lock_fence", "toolguard_lock_holder", "toolguard_lock_waiter"}
     assert not tables & STORE_TABLES
-    mark = sql(postgres_url, "SELECT obj_description(p.oid, 'pg_proc') FROM pg_proc p "
-                             "JOIN pg_namespace n ON n.oid = p.pronamespace "
-                             "WHERE n.nspname = 'public' AND p.proname = 'toolguard_lock_acquire'")
-    assert mark == [(SCHEMA_MARK,)]  # one acquire function, marked with this version
+    assert lock_schema_version(postgres_url) == SCHEMA_VERSION
+    mark = sql(postgres_url, "SELECT obj_description(to_regprocedure('public.toolguard_lock_acquire"
+                             "(text,text,integer,integer,integer,text)'), 'pg_proc')")
+    assert mark == [(SCHEMA_MARK,)]
 
 
 def test_url_schemes_and_lazy_connection() -> None:
@@ -379,13 +379,16 @@ def test_upgrade_from_lock_schema_1_keeps_the_tokens(postgres_url: str, unique: 
     assert lock_schema_version(postgres_url, schema=lock_schema) == 1
     assert install_lock_schema(postgres_url, schema=lock_schema) == SCHEMA_VERSION
     assert lock_schema_version(postgres_url, schema=lock_schema) == SCHEMA_VERSION
-    signatures = {row[0] for row in sql(
-        postgres_url, "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n "
-                      "ON n.oid = p.pronamespace WHERE n.nspname = %s AND p.proname = %s",
-        lock_schema, "toolguard_lock_acquire")}
-    assert len(signatures) == 1, f"the old acquire function was left behind: {signatures}"
     with connect(postgres_url, schema=lock_schema) as locks, locks.acquire(key) as lease:
         assert lease.token == high + 1
+    # A client of lock schema 1 still running through the upgrade keeps working, on the
+    # same tables: its acquire function stays (a separate overload). Its SQL is
+    # unqualified: such a client finds the schema through its search_path.
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{lock_schema}"')
+        row = conn.execute("SELECT token FROM toolguard_lock_acquire(%s, %s, 1000, 2000, 'x')",
+                           (key, "old-client:1000")).fetchone()
+    assert row is not None and row[0] > high + 1
 
 
 def test_a_lock_schema_dropped_under_a_running_backend_is_installed_again(
@@ -396,3 +399,44 @@ def test_a_lock_schema_dropped_under_a_running_backend_is_installed_again(
         sql(postgres_url, f'DROP SCHEMA "{lock_schema}" CASCADE')  # e.g. a restore from a backup
         with locks.acquire(f"{unique}:after") as lease:
             assert lease.token > before
+        sql(postgres_url, f'DROP TABLE "{lock_schema}".toolguard_lock_waiter')  # one piece only
+        with locks.acquire(f"{unique}:after") as lease:
+            assert lease.token > before
+
+
+def test_a_hand_off_lasts_the_waiters_hand_off_ttl(postgres_url: str, unique: str,
+                                                   backends: list[PostgresBackend]) -> None:
+    holder, waiter, _ = backends
+    key = f"{unique}:handoff-ttl"
+    owner, late = new_owner(30_000), new_owner(30_000, 700)
+    assert holder.try_acquire(key, owner, 30_000).granted
+    assert not waiter.try_acquire(key, late, 30_000).granted
+    holder.release(key, owner)
+    left = sql(postgres_url, "SELECT owner, extract(epoch FROM expires_at - clock_timestamp()) "
+                             "FROM toolguard_lock_holder WHERE key = %s", key)
+    assert left[0][0] == late and 0 < float(left[0][1]) <= 0.7
+    # Asking again while holding extends the grant to the full TTL from now.
+    token = waiter.try_acquire(key, late, 30_000).token
+    assert token == holder.current_token(key)
+    left = sql(postgres_url, "SELECT extract(epoch FROM expires_at - clock_timestamp()) "
+                             "FROM toolguard_lock_holder WHERE key = %s", key)
+    assert float(left[0][0]) > 29
+    waiter.release(key, late)
+
+
+def test_a_notification_older_than_the_last_queued_answer_is_dropped(
+        unique: str, backends: list[PostgresBackend]) -> None:
+    holder, waiter, _ = backends
+    key = f"{unique}:stale-notify"
+    owner, late = new_owner(30_000), new_owner(30_000)
+    assert holder.try_acquire(key, owner, 30_000).granted
+    assert not waiter.try_acquire(key, late, 30_000).granted
+    last = holder.current_token(key)
+    listener = waiter._listener
+    assert listener is not None
+    listener._deliver(f"{late} {last} {key}")  # a hand-off as old as the last grant seen
+    assert waiter.wait(key, late, 0.2) is None
+    listener._deliver(f"{late} {last + 1} {key}")  # one granted after that answer
+    assert waiter.wait(key, late, 0.2) == last + 1
+    holder.release(key, owner)
+    waiter.release(key, late)

@@ -430,3 +430,30 @@ def test_async_acquire_checks_its_arguments_when_called(backend: LockEnv) -> Non
             await locks.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_handed_off_lease_outlives_its_hand_off_ttl_through_renewals(backend: LockEnv) -> None:
+    """A hand-off runs for the waiter's presence window (2 s) until renewed; the heartbeat
+    renews it in time, so a holder with a 10 s TTL keeps it for longer."""
+    key = backend.key("handed")
+    holder, waiter, rival = backend.manager(), backend.manager(), backend.manager()
+    first = holder.acquire(key, ttl_ms=10_000)
+    got: list[Lease] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(key, ttl_ms=10_000,
+                                                                         timeout_s=20)))
+    thread.start()
+    time.sleep(0.3)
+    first.release()
+    thread.join(20)
+    assert got, "the waiter did not get the lock"
+    lease = got[0]
+    try:
+        until = time.monotonic() + 3.0  # well past the 2 s hand-off TTL
+        while time.monotonic() < until:
+            assert_held(rival, key)
+            assert not lease.lost
+        lease.check()
+        assert lease.remaining_s() > 2.0  # renewed to the full TTL
+    finally:
+        lease.release()

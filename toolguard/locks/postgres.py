@@ -34,6 +34,14 @@ The schema is installed on first use (``install()`` does it explicitly, and so d
 ``install_lock_schema(url)``, without a backend); an older lock schema is upgraded
 in the same transaction. ``SCHEMA_VERSION`` is recorded as the comment of the
 acquire function.
+
+Upgrading from lock schema 1: the tables are kept (tokens stay above everything
+granted before), the helper functions are replaced (their bodies mean the same in
+both versions), and the new acquire function takes one more argument (the hand-off
+TTL), so it is a separate overload. The version 1 acquire is left in place on
+purpose: clients of the previous release that are still running keep working on
+the same tables during a rolling upgrade, with their own semantics (their hand-offs
+still run for their full TTL, which is what they expect).
 """
 
 from __future__ import annotations
@@ -227,7 +235,7 @@ END $$;
 """
 
 _ACQUIRE_ARGS = "text,text,integer,integer,integer,text"
-#: The acquire function of lock schema 1: its OUT parameters differ, so it is dropped.
+#: The acquire function of lock schema 1 (kept for its clients; see the module docstring).
 _ACQUIRE_ARGS_V1 = "text,text,integer,integer,text"
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
 #: SQLSTATEs meaning the lock schema is not (or no longer) there: install it again.
@@ -283,10 +291,6 @@ class _Statements:
         return f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"' if self.schema else None
 
     @functools.cached_property
-    def drop_v1(self) -> str:
-        return self._q(f"DROP FUNCTION IF EXISTS {{s}}toolguard_lock_acquire({_ACQUIRE_ARGS_V1})")
-
-    @functools.cached_property
     def mark(self) -> str:
         return self._q(f"COMMENT ON FUNCTION {{s}}toolguard_lock_acquire({_ACQUIRE_ARGS}) "
                        f"IS '{SCHEMA_MARK}'")
@@ -327,36 +331,30 @@ class _Statements:
 
 
 def _version_of(row: tuple[Any, ...] | None) -> int:
-    """The installed version from ``_Statements.version``'s row (0: none)."""
-    if row is None:
-        return 0
-    for mark in row:
-        if isinstance(mark, str) and mark.startswith(_MARK_PREFIX):
-            suffix = mark[len(_MARK_PREFIX):]
-            if suffix.isdigit():
-                return int(suffix)
-    return 0
+    """The newest version marked in ``_Statements.version``'s row (0: none)."""
+    versions = [int(mark[len(_MARK_PREFIX):]) for mark in row or ()
+                if isinstance(mark, str) and mark.startswith(_MARK_PREFIX)
+                and mark[len(_MARK_PREFIX):].isdigit()]
+    return max(versions, default=0)
 
 
 def _installed_version(conn: psycopg.Connection[Any], statements: _Statements) -> int:
     return _version_of(conn.execute(statements.version).fetchone())
 
 
-def _install(conn: psycopg.Connection[Any], statements: _Statements) -> int:
+def _install(conn: psycopg.Connection[Any], statements: _Statements, *, force: bool = False) -> int:
     """Create the schema, or upgrade an older one, in one transaction; returns the version.
 
     Serialized by an advisory lock, so concurrent first uses install once. Tables are
-    kept (tokens stay above everything granted before); functions are replaced, the
-    acquire function of version 1 dropped first (its OUT parameters differ, which
-    CREATE OR REPLACE cannot change).
+    kept (tokens stay above everything granted before); functions are created or
+    replaced (see the module docstring for what happens to version 1's).
     """
     with conn.transaction():
         conn.execute(statements.install_lock)
         if statements.create_schema is not None:
             conn.execute(statements.create_schema)
-        if _installed_version(conn, statements) == SCHEMA_VERSION:
+        if not force and _installed_version(conn, statements) >= SCHEMA_VERSION:
             return SCHEMA_VERSION
-        conn.execute(statements.drop_v1)
         conn.execute(cast(Any, statements.install))
         conn.execute(statements.mark)
     return SCHEMA_VERSION
@@ -672,12 +670,18 @@ class PostgresBackend:
         pool = self._open_pool()
         if not self._schema_ready:
             def ensure(conn: psycopg.Connection[Any]) -> None:
-                if _installed_version(conn, self.statements) != SCHEMA_VERSION:
+                if _installed_version(conn, self.statements) < SCHEMA_VERSION:
                     _install(conn, self.statements)
 
             self._with(pool, ensure)
             self._schema_ready = True
         return pool
+
+    def _reinstall(self) -> None:
+        """A lock table or function went missing under us (dropped, a restore): put every
+        piece back, whatever the version mark says."""
+        self._with(self._open_pool(), lambda conn: _install(conn, self.statements, force=True))
+        self._schema_ready = True
 
     def install(self) -> int:
         """Create the lock tables and functions, or upgrade older ones; returns the version.
@@ -724,8 +728,7 @@ class PostgresBackend:
         try:
             return self._with(pool, lambda conn: _rows(conn.execute(sql, params)))
         except _SCHEMA_GONE:  # dropped or restored under us: install it again, once
-            self._schema_ready = False
-            pool = self._get_pool()
+            self._reinstall()
             return self._with(pool, lambda conn: _rows(conn.execute(sql, params)))
 
     def _listening(self) -> _Listener:
@@ -880,8 +883,7 @@ class AsyncPostgresBackend:
         try:
             return await self._run_once(sql, params)
         except _SCHEMA_GONE:  # dropped or restored under us: install it again, once
-            self.sync._schema_ready = False
-            await asyncio.to_thread(self.sync._get_pool)
+            await asyncio.to_thread(self.sync._reinstall)
             return await self._run_once(sql, params)
 
     async def _run_once(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:

@@ -3,17 +3,18 @@
 Each operation is one ``BEGIN IMMEDIATE`` transaction on a WAL database, so the
 grant and the token are one atomic step here too. Waiters are woken by the
 releaser, which hands the lock over in its own transaction (for the waiter's
-hand-off TTL, carried in its owner id) and then sends ``token key-digest`` as a
-datagram to the waiter's socket (Linux abstract namespace: no files to clean
-up); a bounded poll covers a holder that crashed. Tokens use the same hybrid
-clock as the Redis backend, and the fence rows are durable.
+hand-off TTL, carried in its owner id) and then sends the token as a datagram
+to the socket the waiter opened for that key (Linux abstract namespace: no files
+to clean up); a bounded poll covers a holder that crashed. Tokens use the same
+hybrid clock as the Redis backend, and the fence rows are durable.
 
 Stale datagrams: the releaser sends after its commit, so a datagram may arrive
 long after its grant ended (the releaser or the waiter was stopped, the waiter
 gave up and queued again). Each "queued" answer records the key's last token as
-it saw it, and ``wait`` drops datagrams at or below it, or for another key: a
-grant still the owner's would have been returned by that call, so an older
-token is one that is over.
+it saw it, and ``wait`` drops datagrams at or below it: a grant still the
+owner's would have been returned by that call, so an older token is one that is
+over. A socket per (owner, key) keeps the datagrams of one key from another's
+wait.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _now_us() -> int:
 
 
 def _key_digest(key: str) -> str:
-    """Names the key in a hand-off datagram in a bounded size."""
+    """Names the key in a waiter's socket address in a bounded size."""
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
@@ -81,9 +82,9 @@ class SqliteBackend:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        self._sockets: dict[str, socket.socket] = {}
-        #: owner -> key -> the key's last token when the owner was last queued for it
-        self._floors: dict[str, dict[str, int]] = {}
+        self._sockets: dict[tuple[str, str], socket.socket] = {}
+        #: (owner, key) -> the key's last token when the owner was last queued for it
+        self._floors: dict[tuple[str, str], int] = {}
         self._sockets_lock = threading.Lock()
         try:
             self._connection().executescript(SCHEMA)
@@ -120,37 +121,40 @@ class SqliteBackend:
                 raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
             raise
 
-    def _wake_address(self, owner: str) -> str:
-        return f"\0toolguard-{os.getpid()}-{owner}"
+    def _wake_address(self, owner: str, key: str) -> str:
+        return f"\0toolguard-{os.getpid()}-{owner}-{_key_digest(key)}"
 
-    def _listen(self, owner: str) -> str | None:
+    def _listen(self, owner: str, key: str) -> str | None:
         if not WAKE_SUPPORTED:
             return None
-        address = self._wake_address(owner)
+        address = self._wake_address(owner, key)
         with self._sockets_lock:
-            if owner not in self._sockets:
+            if (owner, key) not in self._sockets:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 sock.bind(address)
-                self._sockets[owner] = sock
+                self._sockets[(owner, key)] = sock
         return address
 
-    def _forget(self, owner: str) -> None:
+    def _socket(self, owner: str, key: str) -> socket.socket | None:
         with self._sockets_lock:
-            sock = self._sockets.pop(owner, None)
-            self._floors.pop(owner, None)
+            return self._sockets.get((owner, key))
+
+    def _forget(self, owner: str, key: str) -> None:
+        with self._sockets_lock:
+            sock = self._sockets.pop((owner, key), None)
+            self._floors.pop((owner, key), None)
         if sock is not None:
             sock.close()
 
     def _handed(self, key: str, owner: str, data: bytes) -> int | None:
-        """The token of a hand-off datagram if it is for ``key`` and newer than the floor."""
+        """The token of a hand-off datagram if it is newer than the floor."""
         try:
-            text, digest = data.decode("ascii").split(" ", 1)
-            token = int(text)
+            token = int(data)
         except ValueError:
             return None
         with self._sockets_lock:
-            floor = self._floors.get(owner, {}).get(key, 0)
-        return token if digest == _key_digest(key) and token > floor else None
+            floor = self._floors.get((owner, key), 0)
+        return token if token > floor else None
 
     @staticmethod
     def _mint(db: sqlite3.Connection, key: str, now_us: int) -> int:
@@ -170,7 +174,7 @@ class SqliteBackend:
             if row and row[0] == owner and row[2] > now:  # ours already: extend it from now
                 db.execute("UPDATE tg_lock SET expires_us = ? WHERE key = ?",
                            (now + ttl_ms * 1000, key))
-                self._forget(owner)
+                self._forget(owner, key)
                 return Attempt(token=row[1])
             if row and row[2] > now:
                 return self._enqueue(db, key, owner, now, retry_us=row[2] - now)
@@ -187,24 +191,23 @@ class SqliteBackend:
                        (key, owner, token, now + ttl_ms * 1000))
             if head:
                 db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, owner))
-        self._forget(owner)
+        self._forget(owner, key)
         return Attempt(token=token)
 
     def _enqueue(self, db: sqlite3.Connection, key: str, owner: str, now: int,
                  retry_us: int) -> Attempt:
-        wake = self._listen(owner)
+        wake = self._listen(owner, key)
         db.execute("INSERT INTO tg_lock_waiter (key, owner, arrived_us, present_until_us, wake) "
                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (key, owner) "
                    "DO UPDATE SET present_until_us = excluded.present_until_us",
                    (key, owner, now, now + self.presence_ms * 1000, wake))
         row = db.execute("SELECT token FROM tg_lock_fence WHERE key = ?", (key,)).fetchone()
         with self._sockets_lock:
-            self._floors.setdefault(owner, {})[key] = row[0] if row else 0
+            self._floors[(owner, key)] = row[0] if row else 0
         return Attempt(token=None, retry_ms=max(1, retry_us // 1000))
 
     def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
-        with self._sockets_lock:
-            sock = self._sockets.get(owner)
+        sock = self._socket(owner, key)
         if sock is None:
             time.sleep(timeout_s)
             return None
@@ -217,7 +220,7 @@ class SqliteBackend:
                 return None
             token = self._handed(key, owner, data)
             if token is not None:
-                self._forget(owner)
+                self._forget(owner, key)
                 return token
         return None
 
@@ -229,11 +232,11 @@ class SqliteBackend:
                               (key, owner)).rowcount > 0
             if held:
                 wake = self._hand_off(db, key)
-        self._forget(owner)
+        self._forget(owner, key)
         if wake is not None and wake[0]:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, \
                     contextlib.suppress(OSError):  # the waiter left: it will find the grant
-                sock.sendto(f"{wake[1]} {_key_digest(key)}".encode("ascii"), wake[0])
+                sock.sendto(str(wake[1]).encode("ascii"), wake[0])
         return held
 
     def _hand_off(self, db: sqlite3.Connection, key: str) -> tuple[str, int] | None:
@@ -299,8 +302,7 @@ class AsyncSqliteBackend:
         thread per waiter: a handful of waiters then starve the releases that
         should wake them, and every hand-off falls back to the poll.
         """
-        with self.sync._sockets_lock:
-            sock = self.sync._sockets.get(owner)
+        sock = self.sync._socket(owner, key)
         if sock is None:
             await asyncio.sleep(timeout_s)
             return None
@@ -314,7 +316,7 @@ class AsyncSqliteBackend:
                 return None
             token = self.sync._handed(key, owner, data)
             if token is not None:
-                self.sync._forget(owner)
+                self.sync._forget(owner, key)
                 return token
         return None
 
