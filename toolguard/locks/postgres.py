@@ -57,7 +57,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import psycopg
@@ -439,6 +439,15 @@ class _Doorbell:
 #: Longest one lock statement may wait for a pooled connection, and then for its answer
 #: before that connection is cut.
 CALL_TIMEOUT_S = 5.0
+#: After a call failed to reach the server, and until the pool has an idle connection
+#: again, calls do not wait on the pool (whose reconnects are 1, 2, 4... s apart): a
+#: server that refused or dropped the connection ("down") is tried on a connection of
+#: the call's own, refused at once while it is away and used as soon as it is back; a
+#: link that stopped answering ("stalled") fails the call at once, since a new
+#: connection would stall too. So a retrying acquire keeps its deadline, and a
+#: release on give-up returns quickly. A connection of its own gives up after this.
+DIRECT_CONNECT_TIMEOUT_S = 2  # libpq's shortest
+_DOWN, _STALLED = "down", "stalled"
 
 
 class _Call:
@@ -634,10 +643,16 @@ class PostgresBackend:
             "application_name": application_name, "connect_timeout": max(1, int(timeout_s)),
             "tcp_user_timeout": int(timeout_s * 1000), "keepalives": 1, "keepalives_idle": 5,
             "keepalives_interval": 2, "keepalives_count": 3}
+        self._direct_options = {**self.connect_options,
+                                "connect_timeout": DIRECT_CONNECT_TIMEOUT_S}
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._listener: _Listener | None = None
         self._schema_ready = False
+        #: Why the last call failed to reach the server (``_DOWN``/``_STALLED``); cleared
+        #: by the next call through the pool.
+        self._trouble: str | None = None
+        self._pool_errors = 0
         self._pid = os.getpid()
         self._closed = False
 
@@ -698,9 +713,25 @@ class PostgresBackend:
         return self._with(self._open_pool(),
                           lambda conn: _installed_version(conn, self.statements))
 
+    @contextlib.contextmanager
+    def _connection(self, pool: ConnectionPool) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection; while the server is in trouble and the pool has none idle,
+        one of its own or an immediate failure (see ``DIRECT_CONNECT_TIMEOUT_S``)."""
+        trouble = self._trouble
+        if trouble is not None and not _has_idle(pool):
+            if trouble == _STALLED:
+                msg = "postgres: the link stopped answering and no connection has come back"
+                raise BackendUnavailable(msg)
+            with psycopg.connect(self.url, autocommit=True, **self._direct_options) as conn:
+                yield conn
+            return
+        with pool.connection(timeout=CALL_TIMEOUT_S) as conn:
+            yield conn
+        self._trouble = None
+
     def _with(self, pool: ConnectionPool, step: Callable[[psycopg.Connection[Any]], T]) -> T:
-        """Run ``step`` on a pooled connection; after a broken connection, drop every
-        broken idle one and retry once.
+        """Run ``step`` on a connection; after a broken connection, drop every broken
+        idle one and retry once.
 
         Every statement here is idempotent (a repeated acquire returns the same
         grant), so one retry after a dropped connection is safe.
@@ -708,11 +739,12 @@ class PostgresBackend:
         for attempt in (1, 2):
             call: _Call | None = None
             try:
-                with pool.connection(timeout=CALL_TIMEOUT_S) as conn, \
+                with self._connection(pool) as conn, \
                         _watchdog.watch(conn, CALL_TIMEOUT_S) as call:
                     return step(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as error:
                 silent = _timed_out(call, error)
+                self._trouble = _trouble_of(error, silent)
                 if silent is not None:  # a link that stopped answering: no second wait
                     raise silent from error
                 if attempt == 2:
@@ -720,6 +752,7 @@ class PostgresBackend:
                 with contextlib.suppress(Exception):
                     pool.check()  # e.g. the server restarted: its other connections died too
             except PoolTimeout as error:
+                self._trouble, self._pool_errors = _pool_trouble(pool, self._pool_errors)
                 raise BackendUnavailable(f"postgres: {error}") from error
         raise AssertionError("unreachable")
 
@@ -844,6 +877,26 @@ def _rows(cursor: psycopg.Cursor[Any]) -> list[tuple[Any, ...]]:
     return cursor.fetchall() if cursor.description else []
 
 
+def _has_idle(pool: ConnectionPool | AsyncConnectionPool) -> bool:
+    return bool(pool.get_stats().get("pool_available", 0))
+
+
+def _pool_trouble(pool: ConnectionPool | AsyncConnectionPool, seen_errors: int) -> tuple[str, int]:
+    """After waiting for a pooled connection in vain: did the pool's own attempts fail
+    since ``seen_errors`` (the server refuses: down), or just not finish (stalled)?
+    Returns the trouble and the pool's error count now."""
+    errors = int(pool.get_stats().get("connections_errors", 0))
+    return (_DOWN if errors > seen_errors else _STALLED), errors
+
+
+def _trouble_of(error: BaseException, silent: BackendUnavailable | None) -> str:
+    """A call cut by the watchdog, or a connection that could not be made in time, is a
+    stalled link; any other connection error means the server refused or dropped it."""
+    if silent is not None or isinstance(error, pg_errors.ConnectionTimeout):
+        return _STALLED
+    return _DOWN
+
+
 class AsyncPostgresBackend:
     """The asyncio twin: the same SQL through psycopg's ``AsyncConnectionPool``.
 
@@ -857,6 +910,8 @@ class AsyncPostgresBackend:
         self.sync = sync
         self._pool: AsyncConnectionPool | None = None
         self._opening: asyncio.Lock | None = None
+        self._trouble: str | None = None  # as in the sync backend
+        self._pool_errors = 0
 
     @property
     def presence_ms(self) -> int:
@@ -876,8 +931,19 @@ class AsyncPostgresBackend:
                     await pool.open()
                     self._pool = pool
         assert self._pool is not None
+        trouble = self._trouble
+        if trouble is not None and not _has_idle(self._pool):
+            if trouble == _STALLED:
+                msg = "postgres: the link stopped answering and no connection has come back"
+                raise BackendUnavailable(msg)
+            connect = psycopg.AsyncConnection.connect
+            async with await connect(self.sync.url, autocommit=True,
+                                     **self.sync._direct_options) as conn:
+                yield conn
+            return
         async with self._pool.connection(timeout=CALL_TIMEOUT_S) as conn:
             yield conn
+        self._trouble = None
 
     async def _run(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         try:
@@ -896,6 +962,7 @@ class AsyncPostgresBackend:
                         return await cursor.fetchall() if cursor.description else []
             except (psycopg.OperationalError, psycopg.InterfaceError) as error:
                 silent = _timed_out(call, error)
+                self._trouble = _trouble_of(error, silent)
                 if silent is not None:
                     raise silent from error
                 if attempt == 2:
@@ -904,6 +971,8 @@ class AsyncPostgresBackend:
                     with contextlib.suppress(Exception):
                         await self._pool.check()
             except PoolTimeout as error:
+                if self._pool is not None:
+                    self._trouble, self._pool_errors = _pool_trouble(self._pool, self._pool_errors)
                 raise BackendUnavailable(f"postgres: {error}") from error
         raise AssertionError("unreachable")
 
