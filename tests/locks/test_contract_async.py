@@ -254,3 +254,20 @@ def test_many_async_waiters_are_all_woken_by_releases(backend: LockEnv, monkeypa
 
     asyncio.run(main())
     assert sorted(order) == list(range(waiters))
+
+
+def test_async_backend_declares_the_presence_window_of_its_sync_twin(backend: LockEnv) -> None:
+    """Hand-off TTLs and etcd's presence rule come from it: a missing one would fall back
+    to the full TTL, and a dead async waiter would hold up the line that long."""
+    from toolguard.locks import AsyncLockBackend, LockBackend
+
+    async def main() -> None:
+        manager = backend.async_manager()
+        try:
+            assert isinstance(manager.backend, AsyncLockBackend)
+            assert isinstance(manager.renewer, LockBackend)
+            assert manager.backend.presence_ms == manager.renewer.presence_ms == 2_000
+        finally:
+            await manager.aclose()
+
+    asyncio.run(main())

@@ -80,15 +80,16 @@ def test_a_waiter_stopped_through_its_hand_off_never_returns_the_expired_grant(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_waiter_killed_in_line_holds_it_up_no_longer_than_its_presence(
-        backend: LockEnv) -> None:
+        backend: LockEnv, mode: str) -> None:
     key, other = backend.key("line"), backend.key("elsewhere")
     holder, successor = backend.manager(), backend.manager()
     first = holder.acquire(key, ttl_ms=30_000)
     report = spawn.Queue()
     # The doomed waiter holds one lock and queues for another, both with a 20 s TTL.
     process = spawn.Process(target=workers.hold_then_queue,
-                            args=(backend.url, other, key, 20_000, report), daemon=True)
+                            args=(backend.url, other, key, 20_000, report, mode), daemon=True)
     process.start()
     try:
         assert report.get(timeout=30) == ("holding",)

@@ -78,10 +78,23 @@ async def _stalled_waiter_async(url: str, key: str, ttl_ms: int, report: Any,
         await locks.aclose()
 
 
-def hold_then_queue(url: str, held_key: str, key: str, ttl_ms: int, report: Any) -> None:
+def hold_then_queue(url: str, held_key: str, key: str, ttl_ms: int, report: Any,
+                    mode: str = "sync") -> None:
     """Hold ``held_key``, then wait in line for ``key``; the parent SIGKILLs it there."""
+    if mode == "async":
+        asyncio.run(_hold_then_queue_async(url, held_key, key, ttl_ms, report))
+        return
     locks = connect(url)
     locks.acquire(held_key, ttl_ms=ttl_ms, timeout_s=10)
     report.put(("holding",))
     locks.acquire(key, ttl_ms=ttl_ms, timeout_s=120)
+    report.put(("granted",))
+
+
+async def _hold_then_queue_async(url: str, held_key: str, key: str, ttl_ms: int,
+                                 report: Any) -> None:
+    locks = connect_async(url)
+    await locks.acquire(held_key, ttl_ms=ttl_ms, timeout_s=10)
+    report.put(("holding",))
+    await locks.acquire(key, ttl_ms=ttl_ms, timeout_s=120)
     report.put(("granted",))

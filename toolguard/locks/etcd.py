@@ -844,6 +844,10 @@ class AsyncEtcdBackend:
     def __init__(self, sync: EtcdBackend) -> None:
         self.sync = sync
 
+    @property
+    def presence_ms(self) -> int:
+        return self.sync.presence_ms
+
     async def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
         return await asyncio.to_thread(self.sync.try_acquire, key, owner, ttl_ms)
 
