@@ -44,7 +44,7 @@ from typing import Any
 
 from toolguard.locks import AsyncLockManager, LockManager, connect, connect_async, sqlite_path
 
-__all__ = ["BACKENDS", "BackendFactory", "LockEnv", "Outage"]
+__all__ = ["BACKENDS", "QUIET_OPTIONS", "QUIET_POLL_S", "BackendFactory", "LockEnv", "Outage"]
 
 
 class Outage:
@@ -85,6 +85,16 @@ class BackendFactory:
     options: Mapping[str, Any] = field(default_factory=dict)
     #: ``tmp_path -> context manager of an Outage`` on a private server of this backend.
     outage: Callable[[Path], AbstractContextManager[Outage]] | None = None
+    #: ``url -> url`` whose client never blocks for less than ``QUIET_POLL_S`` (Redis caps
+    #: a BLPOP at half the socket timeout); see ``LockEnv.quiet_manager``.
+    quiet_url: Callable[[str], str] = lambda url: url
+
+
+#: The shortest wait between two tries of a quiet manager's waiter (see ``quiet_manager``).
+QUIET_POLL_S = 15.0
+#: A presence window of 90 s: PostgreSQL and etcd wait up to a third of it between tries,
+#: and a hand-off of a 60 s lease then runs 60 s, so the manager asks every 20 s at most.
+QUIET_OPTIONS: Mapping[str, Any] = {"presence_ms": 90_000, "ttl_ms": 60_000}
 
 
 class LockEnv:
@@ -110,6 +120,19 @@ class LockEnv:
     def async_manager(self, **options: Any) -> AsyncLockManager:
         """An asyncio manager; build it inside the running loop and ``aclose`` it there."""
         return connect_async(self.url, **{**self.factory.options, **options})
+
+    def quiet_manager(self, **options: Any) -> LockManager:
+        """A sync manager whose fallback polls are all at least ``QUIET_POLL_S`` apart
+        (with ``MAX_POLL_S`` raised and TTLs of a minute): only a wake-up hands over sooner."""
+        manager = connect(self.factory.quiet_url(self.url),
+                          **{**self.factory.options, **QUIET_OPTIONS, **options})
+        self._managers.append(manager)
+        return manager
+
+    def quiet_async_manager(self, **options: Any) -> AsyncLockManager:
+        """The asyncio twin of ``quiet_manager``."""
+        return connect_async(self.factory.quiet_url(self.url),
+                             **{**self.factory.options, **QUIET_OPTIONS, **options})
 
     def drop(self, key: str) -> None:
         self.factory.drop(self.url, key)
@@ -357,6 +380,7 @@ BACKENDS: dict[str, BackendFactory] = {
         drop=_redis_drop,
         steal=_redis_steal,
         outage=_redis_outage,
+        quiet_url=lambda url: url + ("&" if "?" in url else "?") + "socket_timeout=60",
     ),
     "sqlite": BackendFactory(
         name="sqlite",

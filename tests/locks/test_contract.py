@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 import toolguard.locks.manager as manager_module
-from locks.backends import LockEnv
+from locks.backends import QUIET_POLL_S, LockEnv
 from toolguard.errors import ConfigurationError, LockLost, LockTimeout, NotOwned
 from toolguard.locks import Lease, LockManager, connect, heartbeat
 
@@ -309,14 +309,16 @@ def test_contending_threads_get_balanced_turns(backend: LockEnv) -> None:
     assert min(per_thread) / max(per_thread) >= 0.5, per_thread
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_waiter_is_woken_by_the_release_not_by_polling(backend: LockEnv, monkeypatch) -> None:
-    """With the fallback poll at 30 s and a 20 s TTL, only a wake-up can hand over in time."""
+    """With every fallback poll at least QUIET_POLL_S apart, only a wake-up can hand over
+    within 10 s."""
     monkeypatch.setattr(manager_module, "MAX_POLL_S", 30.0)
     key = backend.key("wake")
-    holder, waiter = backend.manager(), backend.manager()
+    holder, waiter = backend.quiet_manager(), backend.quiet_manager()
+    assert QUIET_POLL_S > 10
     for _ in range(3):
-        lease = holder.acquire(key, ttl_ms=20_000)
+        lease = holder.acquire(key)
         got: list[Lease] = []
         thread = threading.Thread(target=lambda got=got: got.append(waiter.acquire(key, timeout_s=25)))
         thread.start()
