@@ -49,7 +49,7 @@ def test_unknown_command_and_option_are_usage_errors(runner: CliRunner) -> None:
 
 def test_policy_check_is_mounted(runner: CliRunner, tmp_path: Path) -> None:
     ok = runner.invoke(app, ["policy", "check", str(DEMO_POLICY)])
-    assert ok.exit_code == 0 and "5 tools" in ok.stdout
+    assert ok.exit_code == 0 and "6 tools" in ok.stdout
     broken = tmp_path / "broken.yml"
     broken.write_text("version: 1\ntools:\n  x:\n    agents: [a]\n")
     bad = runner.invoke(app, ["policy", "check", str(broken)])

@@ -1,9 +1,12 @@
-"""``toolguard demo``: the lead qualifier end to end through the CLI."""
+"""``toolguard demo``: the lead qualifier end to end through the CLI, its CRM included."""
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from toolguard.cli import app
@@ -20,6 +23,23 @@ def test_demo_json_report(demo_home: dict) -> None:
     assert on["rejected_by_reason"]["stale_fencing_token"] == 1
     assert len(on["stale_rejections"]) == 1
     assert (demo_home["home"] / "store.db").exists() and (demo_home["home"] / "locks.db").exists()
+    assert_crm_report(off["crm"], on["crm"])
+    assert (demo_home["home"] / "crm.db").exists()  # the CRM's own store, beside the agents'
+    assert {"crm_double_push", "crm_late_push"} <= kinds
+
+
+def assert_crm_report(off: dict, on: dict) -> None:
+    """The CRM's side in the JSON report: guard off it applied what came, guard on it decided."""
+    assert off["fenced"] is False and off["decisions"] == {} and off["late_copy"]["landed"]
+    assert on["fenced"] is True and on["mismatches"] == []
+    assert on["decisions"] == {"accepted": 12, "replayed": 1, "rejected": 1}
+    assert len(on["stale_rejections"]) == 1 and len(on["replays"]) == 1
+    assert on["late_copy"] == {"lead_id": "L-103", "agent": "lead_enricher", "status": 409,
+                               "reason": "stale_fencing_token", "replayed": False,
+                               "landed": False}
+    assert on["lost_answers"] == 1
+    assert sorted(on["records"]) == ["L-101", "L-102", "L-103", "L-104", "L-105", "L-106"]
+    assert {record["pushes"] for record in on["records"].values()} == {2}
 
 
 def test_demo_prints_the_summary_and_replays_on_a_second_run(runner: CliRunner,
@@ -30,17 +50,39 @@ def test_demo_prints_the_summary_and_replays_on_a_second_run(runner: CliRunner,
     text = first.stdout
     for expected in ("Lead records with the guard on", "Guard off vs guard on",
                      "stale_fencing_token", "refused (audit #", "Score / tier per lead",
-                     "toolguard audit --rejected --url", "toolguard audit show "):
+                     "toolguard audit --rejected --url", "toolguard audit show ",
+                     "The CRM's own decisions", "refused by the CRM: 409 (CRM audit #",
+                     "the stuck push reached the CRM at last: HTTP 409 stale_fencing_token",
+                     "the connection dropped: the answer is lost",
+                     "6/6 records equal to the expected ones, each pushed once"):
         assert expected in text, expected
     assert "Traceback" not in first.output
+    assert_crm_hints_run_as_printed(runner, text, home)
     second = runner.invoke(app, ["demo", "--dir", str(home)])
     assert second.exit_code == 0, second.output
     assert "A second run: every write applied in an earlier run was replayed" in second.stdout
     # Nobody writes in a second run, so the stalled call does not wait for a writer.
     assert "skipped: enrich_lead was applied in an earlier run" in second.stdout, second.stdout
     assert "lead_enricher paused" not in second.stdout
-    assert "Write intents with the guard on (this run): 26 replayed  2 rejected" in second.stdout
+    assert "Write intents with the guard on (this run): 38 replayed  2 rejected" in second.stdout
     assert "accepted" not in second.stdout.split("Write intents")[1].splitlines()[0]
+    assert "no request reached the CRM" in second.stdout  # every push replayed by the agents
+    assert "stuck in the network" not in second.stdout.split("guard off")[-1].split("Lead")[0]
+
+
+def assert_crm_hints_run_as_printed(runner: CliRunner, text: str, home: Path) -> None:
+    """The printed commands for the CRM's audit log run as printed and show its two decisions."""
+    hints = [line.strip() for line in text.splitlines() if "crm.db" in line and " audit " in line]
+    assert len(hints) == 2, hints
+    assert all(f"--url 'sqlite:///{home / 'crm.db'}'" in hint for hint in hints)
+    found = []
+    for hint in hints:
+        words = shlex.split(hint.split("#")[0])
+        result = runner.invoke(app, [*words[1:], "--json"])  # words[0]: how toolguard was started
+        assert result.exit_code == 0, result.output
+        found += [(e["decision"], e["reason"], e["agent"]) for e in json.loads(result.stdout)]
+    assert found == [("rejected", "stale_fencing_token", "lead_enricher"),
+                     ("replayed", "duplicate", "router")]
 
 
 def test_demo_on_the_default_folder_needs_no_url_in_the_hint(runner: CliRunner,
@@ -65,6 +107,69 @@ def test_demo_bad_policy_is_a_usage_error(runner: CliRunner, tmp_path: Path) -> 
     result = runner.invoke(app, ["demo", "--dir", str(tmp_path), "--policy", str(policy)])
     assert result.exit_code == 2
     assert "policy.yml:4" in result.stderr
+
+
+def test_next_hints_read_the_crm_store_too(tmp_path: Path) -> None:
+    from toolguard.cli.demo import next_commands
+
+    default = f"sqlite:///{tmp_path / '.toolguard' / 'store.db'}"  # cwd is tmp_path
+    crm = f"sqlite:///{tmp_path / '.toolguard' / 'crm.db'}"
+    lines = next_commands(default, None, "toolguard", crm_store=crm)
+    assert f"toolguard audit --rejected --url '{crm}'      # the CRM's own log: its 409" in lines
+    assert f"toolguard audit --decision replayed --url '{crm}'      # ... and its replay" in lines
+    assert "toolguard audit --tool push_to_crm      # the CRM pushes, as the agents saw them" in lines
+    postgres = "postgresql://app:secret@db.internal:5432/crm"
+    lines = next_commands(postgres, None, "toolguard", crm_store=postgres,
+                          crm_schema="toolguard_demo_crm")
+    assert ("toolguard audit --rejected --url 'postgresql://app:***@db.internal:5432/crm' "
+            "--schema toolguard_demo_crm      # the CRM's own log: its 409") in lines
+
+
+def test_demo_without_the_crm_libraries_names_the_extra(runner: CliRunner, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    result = runner.invoke(app, ["demo", "--dir", str(tmp_path / "d")])
+    assert result.exit_code == 2, result.output
+    assert "its CRM service" in result.stderr and "uvicorn" in result.stderr
+    assert "pip install 'toolguard-fenced[langgraph]'" in result.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_demo_on_postgresql_and_redis(runner: CliRunner, postgres_url: str, redis_url: str,
+                                      unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's second command: TOOLGUARD_REDIS_URL and TOOLGUARD_DATABASE_URL set."""
+    import psycopg
+    from store.envs import drop_schema
+
+    from toolguard.demo.crm import PG_SCHEMA
+
+    schema = f"tg_demo_{unique}"  # the agents' store, by the URL's search_path
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    drop_schema(postgres_url, PG_SCHEMA)  # the CRM's schema has a fixed name: start it empty
+    url = f"{postgres_url}?options=-csearch_path%3D{schema}"
+    monkeypatch.setenv("TOOLGUARD_DATABASE_URL", url)
+    monkeypatch.setenv("TOOLGUARD_REDIS_URL", redis_url)
+    try:
+        result = runner.invoke(app, ["demo", "--json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        off, on = report["guard_off"], report["guard_on"]
+        assert on["correct"] is True and off["correct"] is False
+        assert on["store"].startswith("postgresql://") and on["locks"].startswith("redis://")
+        assert on["crm"]["store"].endswith(f"(schema {PG_SCHEMA})")
+        assert_crm_report(off["crm"], on["crm"])
+        crm = runner.invoke(app, ["audit", "--rejected", "--schema", PG_SCHEMA, "--json"])
+        assert crm.exit_code == 0, crm.output
+        (refused,) = json.loads(crm.stdout)
+        assert (refused["reason"], refused["tool"]) == ("stale_fencing_token", "PUT /leads/L-103")
+    finally:
+        drop_schema(postgres_url, schema)
+        drop_schema(postgres_url, PG_SCHEMA)
 
 
 def test_next_hints_name_the_store_unless_it_is_the_default(tmp_path: Path) -> None:

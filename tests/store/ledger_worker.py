@@ -62,11 +62,15 @@ def _writer(plan: Plan, store: Any, locks: Any, name: str, out: list[dict[str, A
             intent = IntentRecord(tool="deposit", agent=name, intent_id=intent_id, keys=(key,),
                                   args={"account": account, "delta": delta})
             try:
-                with store.fenced(lease.tokens, intent) as tx:
+                with store.fenced(lease, intent) as tx:
                     deposit(tx, account, delta, intent_id)
                 out.append({**report, "outcome": "accepted"})
             except StaleFencingToken as error:
                 out.append({**report, "outcome": "rejected", "current": error.current})
+            except LockLost as error:
+                # The lease ran out before the commit (a pause, a SIGSTOP); a stopped holder
+                # may also have had its transaction ended by the next holder meanwhile.
+                out.append({**report, "outcome": "lease_lost", "error": str(error)})
         except (LockLost, BackendUnavailable) as error:
             out.append({**report, "outcome": "error", "error": str(error)})
         finally:

@@ -145,7 +145,10 @@ def test_tool_must_not_end_the_transaction(ledger: GuardedStore) -> None:
 
 
 def test_reads_inside_see_the_previous_holder(ledger: GuardedStore) -> None:
-    """A newer holder blocks on the fence until the older one commits, then reads its result."""
+    """A second writer on the key blocks on the fence until the first one commits, then reads
+    its result. (Equal tokens: one lease, two writes. A newer token would prove the first
+    writer's lease gone, and on PostgreSQL it would end the first transaction instead:
+    ``test_store_stale_blocker.py``.)"""
     first_in = threading.Event()
     release_first = threading.Event()
     seen: list[int] = []
@@ -162,7 +165,7 @@ def test_reads_inside_see_the_previous_holder(ledger: GuardedStore) -> None:
     done = threading.Event()
 
     def newer() -> None:
-        with ledger.fenced({"acct:a": 11}) as tx:
+        with ledger.fenced({"acct:a": 10}) as tx:
             seen.append(deposit(tx, "a", 10, "newer"))
         done.set()
 
@@ -241,7 +244,8 @@ def test_pending_attempt_after_a_crash_runs_again_once(env: StoreEnv, ledger: Gu
 
 
 def test_concurrent_attempts_apply_once(ledger: GuardedStore) -> None:
-    """Two live attempts of one intent (both Begun): the second finds the first's result."""
+    """Two live attempts of one intent (both Begun, under one lease): the second finds the
+    first's result."""
     record = intent("idem-twice")
     assert isinstance(ledger.begin_intent(record), Begun)
     assert ledger.begin_intent(record) == Begun("idem-twice", 2, "pending")
@@ -258,7 +262,7 @@ def test_concurrent_attempts_apply_once(ledger: GuardedStore) -> None:
 
     def second() -> None:
         try:
-            with ledger.fenced({"acct:a": 2}, record) as tx:
+            with ledger.fenced({"acct:a": 1}, record) as tx:
                 tx.record(deposit(tx, "a", 5, "second"))
             outcomes.append("applied")
         except DuplicateIntent as duplicate:

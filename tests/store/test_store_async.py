@@ -13,7 +13,12 @@ from typing import Any
 import pytest
 
 from store.envs import StoreEnv, adeposit, create_ledger, ledger_state
-from toolguard.errors import DuplicateIntent, IdempotencyConflict, StaleFencingToken
+from toolguard.errors import (
+    BackendUnavailable,
+    DuplicateIntent,
+    IdempotencyConflict,
+    StaleFencingToken,
+)
 from toolguard.store import (
     AsyncGuardedStore,
     AuditEntry,
@@ -22,6 +27,7 @@ from toolguard.store import (
     IntentRecord,
     Replay,
     latest_version,
+    open_async_store,
 )
 from toolguard.store.recovery import arun_fenced
 
@@ -151,3 +157,40 @@ def test_arun_fenced_with_async_locks(env: StoreEnv, ledger: GuardedStore) -> No
     assert balances["a"] == (4, 4)
     tokens = [token for _, token, _, _ in log["a"]]
     assert tokens == sorted(tokens)
+
+
+def test_open_async_store_installs_before_the_first_operation(env: StoreEnv) -> None:
+    """``open_async_store(install=True)``, like ``open_store(install=True)``; concurrent first
+    calls install once."""
+    async def main() -> list[Any]:
+        store = open_async_store(env.url, install=True, **env.options)
+        try:
+            first = await asyncio.gather(store.high_water("k"), store.schema_version(),
+                                         store.query_audit())
+            async with store.fenced({"k": 3}) as tx:
+                await tx.execute("SELECT 1")
+            return [*first, await store.high_water("k")]
+        finally:
+            await store.close()
+
+    assert asyncio.run(main()) == [0, latest_version(env.kind), [], 3]
+    installed = env.open()
+    try:
+        assert installed.schema_version() == latest_version(env.kind)
+        assert [e.reason for e in installed.query_audit()] == ["applied"]
+    finally:
+        installed.close()
+
+
+def test_open_async_store_install_failure_is_raised_by_the_first_call(unique: str) -> None:
+    async def main() -> None:
+        store = open_async_store("postgresql://postgres@127.0.0.1:1/nowhere", install=True,
+                                 timeout_s=0.5)
+        try:
+            for _ in range(2):  # each call tries again
+                with pytest.raises(BackendUnavailable):
+                    await store.high_water("k")
+        finally:
+            await store.close()
+
+    asyncio.run(main())

@@ -62,8 +62,11 @@ def test_ledger_invariant_with_paused_holders(env: StoreEnv, store: GuardedStore
     assert [c.exitcode for c in children] == [0, 0, 0]
     reports = [r for path in paths for r in json.loads(path.read_text())["reports"]]
     assert len(reports) == 3 * plan.threads * plan.ops
-    assert {r["outcome"] for r in reports} <= {"accepted", "rejected"}
+    assert {r["outcome"] for r in reports} <= {"accepted", "rejected", "lease_lost"}
     check_ledger(store, env, reports)
+    # a holder whose lease ran out before its commit: refused, audited once, never applied
+    lost = [e.intent_id for e in store.query_audit(reason="lease_lost", limit=None)]
+    assert sorted(lost) == sorted(r["intent_id"] for r in reports if r["outcome"] == "lease_lost")
     rejected = sum(r["outcome"] == "rejected" for r in reports)
     assert rejected >= 1, "no holder was ever stale: the pauses did not overlap another writer"
 

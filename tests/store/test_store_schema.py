@@ -25,8 +25,9 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 # --- install and upgrade (both stores) --------------------------------------------------------------
 
 
-EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path")],
-                       "sqlite": [(1, "001_initial")]}
+EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
+                                      (3, "003_stale_blockers_exact_results"), (4, "004_controls")],
+                       "sqlite": [(1, "001_initial"), (2, "002_controls")]}
 
 
 def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:
@@ -160,8 +161,17 @@ def test_pg_file_installs_twice_with_psql_semantics(pg: psycopg.Connection[Any])
     assert triggers == (1,)
 
 
-def test_pg_fence_function(pg: psycopg.Connection[Any]) -> None:
-    pg.execute(_sql_file("001_initial.sql"))
+def _install_files(pg: psycopg.Connection[Any], upto: int) -> None:
+    """The shipped PostgreSQL files up to version ``upto``, each as psql --single-transaction."""
+    for step in migrations("postgresql"):
+        if step.version <= upto:
+            with pg.transaction():
+                pg.execute(step.sql)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_pg_fence_function(pg: psycopg.Connection[Any], version: int) -> None:
+    _install_files(pg, version)
     assert pg.execute("SELECT toolguard_fence('k', 10)").fetchone() == (10,)
     assert pg.execute("SELECT toolguard_fence('k', 10)").fetchone() == (10,)  # equal: same lease
     assert pg.execute("SELECT toolguard_fence('k', 12)").fetchone() == (12,)
@@ -183,8 +193,10 @@ def test_pg_fence_function(pg: psycopg.Connection[Any]) -> None:
         "k": 12, "a": 5, "b": 5}
 
 
-def test_pg_intent_functions(pg: psycopg.Connection[Any]) -> None:
-    pg.execute(_sql_file("001_initial.sql"))
+@pytest.mark.parametrize("version", [1, 3])
+def test_pg_intent_functions(pg: psycopg.Connection[Any], version: int) -> None:
+    """As a version-1 client calls them (untyped literals, toolguard_apply), on 001 and on 003."""
+    _install_files(pg, version)
     begin = ("SELECT * FROM toolguard_begin_intent('i1', 'deposit', 'agent', NULL, "
              "ARRAY['acct:1'], 'h')")
     assert pg.execute(begin).fetchone() == ("begun", None, 1, None)
@@ -258,6 +270,65 @@ def test_pg_002_enter_counts_reconciling_attempts(pg: psycopg.Connection[Any]) -
     assert pg.execute(enter, (4, "h")).fetchone() == (True, 7)
     assert _raises(pg, enter, (5, "other")).sqlstate == "TG004"
     assert pg.execute("SELECT attempts FROM toolguard_intent").fetchone() == (2,)
+
+
+def test_pg_003_installs_twice_on_002_and_keeps_results(pg: psycopg.Connection[Any]) -> None:
+    _install_files(pg, 2)
+    with pg.transaction():
+        pg.execute("SELECT * FROM toolguard_enter(ARRAY['k'], ARRAY[1]::bigint[], 'old', 't', "
+                   "NULL, NULL, 'h')")
+        pg.execute("SELECT toolguard_apply('old', '{\"b\": 1, \"a\": [2]}', '{}')")
+    for _ in range(2):
+        with pg.transaction():
+            pg.execute(_sql_file("003_stale_blockers_exact_results.sql"))
+    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (3,)
+    assert pg.execute("SELECT result FROM toolguard_intent").fetchone() == ({"a": [2], "b": 1},)
+    assert pg.execute("SELECT pg_typeof(result)::text FROM toolguard_intent").fetchone() == ("json",)
+
+
+def test_pg_003_records_results_exactly(pg: psycopg.Connection[Any]) -> None:
+    _install_files(pg, 3)
+    text = '{"b":1e16,"a":"\\u0000","b2":-0.0}'
+    with pg.transaction():
+        pg.execute("SELECT * FROM toolguard_enter(ARRAY['k'], ARRAY[1]::bigint[], 'i', 't', "
+                   "NULL, NULL, 'h')")
+        pg.execute("SELECT toolguard_record('i', %s::json, '{\"k\": 1}')", (text,))
+    assert pg.execute("SELECT result::text FROM toolguard_intent").fetchone() == (text,)
+    row = pg.execute("SELECT * FROM toolguard_enter(ARRAY['k'], ARRAY[1]::bigint[], 'i', 't', "
+                     "NULL, NULL, 'h')").fetchone()
+    assert row is not None and json.dumps(row[1]) == json.dumps(json.loads(text))
+    begun = pg.execute("SELECT result::text FROM toolguard_begin_intent('i', 't', NULL, NULL, "
+                       "ARRAY['k'], 'h')").fetchone()
+    assert begun == (text,)
+    # a jsonb result (an older client) cannot hold \u0000: refused as before
+    with pg.transaction():
+        pg.execute("SELECT * FROM toolguard_enter(ARRAY['k'], ARRAY[1]::bigint[], 'j', 't', "
+                   "NULL, NULL, 'h')")
+        assert _raises(pg, "SELECT toolguard_apply('j', %s::jsonb, '{}')",
+                       (text,)).sqlstate == "22P05"
+
+
+def test_pg_003_token_locks_are_tagged(pg: psycopg.Connection[Any]) -> None:
+    _install_files(pg, 3)
+    lock = "SELECT toolguard_token_lock(%s)"
+    assert pg.execute(lock, (5,)).fetchone() == ((679 << 53) | 5,)
+    assert pg.execute(lock, (2**60,)).fetchone() == ((679 << 53) | (2**53 - 1),)  # saturated
+    assert pg.execute(lock, (2**53 - 2,)).fetchone()[0] >> 53 == 679
+    mine = ("SELECT ((classid::bigint << 32) | objid::bigint) >> 53, "
+            "((classid::bigint << 32) | objid::bigint) & (2^53 - 1)::bigint FROM pg_locks "
+            "WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND mode = 'ShareLock' "
+            "ORDER BY 1")
+    announce = pg.execute("SELECT toolguard_key_lock('k', 1) & (2^53 - 1)::bigint, "
+                          "toolguard_key_lock('k', 2) & (2^53 - 1)::bigint").fetchone()
+    assert announce is not None
+    with pg.transaction():  # a new key: its token, and the announcement of its first row
+        pg.execute("SELECT toolguard_fence('k', 42)")
+        assert pg.execute(mine).fetchall() == [(679, 42), (680, announce[0]), (681, announce[1])]
+    with pg.transaction():  # an existing key: its token only
+        pg.execute("SELECT toolguard_fence('k', 43)")
+        assert pg.execute(mine).fetchall() == [(679, 43)]
+    assert pg.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                      "AND pid = pg_backend_pid()").fetchone() == (0,)  # released with the tx
 
 
 def test_audit_is_append_only_in_postgresql(pg: psycopg.Connection[Any]) -> None:

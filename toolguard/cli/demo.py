@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import threading
@@ -23,12 +24,13 @@ from toolguard.extras import require
 from toolguard.store.cli import is_postgres_url, probe_postgres
 
 if TYPE_CHECKING:
-    from toolguard.demo import DemoEvent, Report
+    from toolguard.demo import CrmReport, DemoEvent, Report
 
-#: The demo's tools that write a lead (request_review only asks a person).
-WRITE_TOOLS = frozenset({"enrich_lead", "update_intent_score", "verify_email", "set_tier"})
+#: The demo's tools that write a lead or the CRM (request_review only asks a person).
+WRITE_TOOLS = frozenset({"enrich_lead", "update_intent_score", "verify_email", "set_tier",
+                         "push_to_crm"})
 
-__all__ = ["check_policy", "demo", "next_commands"]
+__all__ = ["check_policy", "demo", "next_commands", "require_demo"]
 
 MEANING = {
     "stale_fencing_token": "the stalled enricher woke after its lease expired; a newer holder "
@@ -39,12 +41,23 @@ MEANING = {
     "not_authorized": "the router tried to bump a score: only intent_scorer may",
 }
 
+#: What the CRM decided that was not a plain "applied", in words (its own audit log).
+CRM_MEANING = {
+    "stale_fencing_token": "the enricher's push, stuck in the network, arrived after its retry "
+                           "and the router's push: its lease's token was older than the retry's, "
+                           "so the CRM refused it",
+    "duplicate": "the router's push was applied, but its answer was lost; sent again with the "
+                 "same Idempotency-Key, it got the recorded answer and was not applied twice",
+}
+
 
 def demo(
     directory: Annotated[Path | None, typer.Option(
         "--dir", metavar="DIR", file_okay=False, dir_okay=True, writable=True, resolve_path=True,
-        help="Where the embedded SQLite files go (default ./.toolguard, like every command). "
-             "Servers are used instead when TOOLGUARD_REDIS_URL / TOOLGUARD_DATABASE_URL are set.",
+        help="Where the embedded SQLite files go (default ./.toolguard, like every command), "
+             "the demo CRM's crm.db too. Servers are used instead when TOOLGUARD_REDIS_URL / "
+             "TOOLGUARD_DATABASE_URL are set (the CRM's store is then the schema "
+             "toolguard_demo_crm of that database).",
         show_default=False)] = None,
     policy: Annotated[Path | None, typer.Option(
         "--policy", metavar="FILE", exists=True, dir_okay=False, readable=True,
@@ -55,13 +68,16 @@ def demo(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show toolguard's log "
                                                                   "messages.")] = False,
 ) -> None:
-    """Run the lead-qualifier demo: four parallel LangGraph agents on six leads.
+    """Run the lead-qualifier demo: four parallel LangGraph agents on six leads, and a CRM.
 
     First without toolguard (lost updates, a double-applied retry, a tier set before
-    scoring, a stalled worker's late write landing), then with it: the records come out
-    right, the stalled write is refused by the fence and every refusal is audited. Runs
-    offline on the embedded SQLite default; running it again replays every intent and
-    changes nothing. Exit 1 if the guarded records are not the expected ones.
+    scoring, a stalled worker's late write landing; in the CRM, a push applied twice and
+    a stuck push landing last), then with it: the records come out right, the
+    stalled write is refused by the fence, the CRM itself replays the push sent again and
+    refuses the stuck one (409), and every decision is audited, the CRM's in its own
+    store. Runs offline on the embedded SQLite default (the CRM on a loopback port);
+    running it again replays every intent and changes nothing. Exit 1 if the guarded
+    records are not the expected ones.
     """
     from toolguard.config import Settings
 
@@ -71,7 +87,7 @@ def demo(
     store_url = settings.resolved_store_url()
     out = console()
     with failures():
-        require("langgraph", "toolguard demo (four LangGraph agents)")
+        require_demo()
         if policy is not None:
             check_policy(policy)  # a broken file fails here, before either phase runs
     for url in dict.fromkeys((store_url, lock_url)):
@@ -87,8 +103,11 @@ def demo(
             out.print(Rule("toolguard demo: the lead qualifier", style="bold"))
             out.print(Text.assemble(
                 "Four agents (lead_enricher, intent_scorer, email_verifier, router) work on six "
-                "leads in parallel; each tool reads and rewrites the whole lead record.\n",
-                ("locks ", "dim"), redact(lock_url), ("  ·  store ", "dim"), redact(store_url)))
+                "leads in parallel; each tool reads and rewrites the whole lead record, and the "
+                "enricher and the router push each lead to a CRM (a REST service the demo "
+                "serves on 127.0.0.1, with a store of its own).\n",
+                ("locks ", "dim"), redact(lock_url), ("  ·  store ", "dim"), redact(store_url),
+                ("  ·  CRM store ", "dim"), _crm_label(store_url)))
             unguarded, guarded = _run(lock_url, store_url, policy, out)
     if json_out:
         typer.echo(json.dumps({"ok": guarded.correct, "guard_off": unguarded.as_dict(),
@@ -97,6 +116,34 @@ def demo(
         _summary(out, unguarded, guarded, store_url)
     if not guarded.correct:
         raise typer.Exit(EXIT_FAILED)
+
+
+def require_demo() -> None:
+    """Raise ``MissingExtra`` unless the demo's agents (LangGraph) and its CRM can run.
+
+    The CRM is a Starlette app on uvicorn, called with httpx: the install the
+    quick start makes (``[langgraph]``) brings them.
+    """
+    from toolguard.extras import MissingExtra
+
+    require("langgraph", "toolguard demo (four LangGraph agents)")
+    missing = [name for name in ("httpx", "starlette", "uvicorn")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingExtra("langgraph", "toolguard demo (its CRM service)", missing)
+
+
+def _crm_location(store_url: str) -> tuple[str, str | None]:
+    """The demo CRM's store URL and PostgreSQL schema (None on SQLite), beside ``store_url``."""
+    from toolguard.demo.crm import crm_store_for
+
+    url, options = crm_store_for(store_url)
+    return url, options.get("schema")
+
+
+def _crm_label(store_url: str) -> str:
+    url, schema = _crm_location(store_url)
+    return redact(url) + (f" (schema {schema})" if schema else "")
 
 
 def check_policy(path: Path) -> None:
@@ -226,6 +273,9 @@ def _summary(out: Console, unguarded: Report, guarded: Report, store_url: str) -
         out.print(Text("  replayed: a re-run call (RetryPolicy, resumed interrupt, or a second "
                        "demo run) returned its recorded result instead of writing again",
                        style="dim"))
+    if writes.get("failed"):
+        out.print(Text("  failed: a CRM push whose connection dropped (did it land?); the agent "
+                       "sent it again, and the CRM sorted it out (below)", style="dim"))
     refused = guarded.rejected_by_reason()
     if refused:
         table = Table(title="Refused, by reason", title_justify="left", header_style="bold",
@@ -236,6 +286,9 @@ def _summary(out: Console, unguarded: Report, guarded: Report, store_url: str) -
         for reason, count in refused.most_common():
             table.add_row(reason, str(count), MEANING.get(reason, ""))
         out.print(table)
+    if guarded.crm is not None:
+        out.print()
+        _crm_summary(out, guarded.crm)
 
     out.print()
     out.print(_comparison(unguarded, guarded))
@@ -244,28 +297,36 @@ def _summary(out: Console, unguarded: Report, guarded: Report, store_url: str) -
 
     if writes.get("replayed") and not writes.get("accepted"):
         out.print(Text("A second run: every write applied in an earlier run was replayed from its "
-                       "record, so no lead changed; the refused calls were checked and refused "
-                       "again (a refusal records no result). Delete the demo's folder (or use "
-                       "--dir) to watch it from the start.", style="cyan"))
+                       "record, so no lead changed and no push reached the CRM; the refused calls "
+                       "were checked and refused again (a refusal records no result). Delete the "
+                       "demo's folder (or use --dir) to watch it from the start.", style="cyan"))
     out.print(Text("The guard-off column changes from run to run: without locks, who overwrites "
-                   "whom depends on thread timing. The guard-on records are the same every run.",
+                   "whom depends on thread timing. The guard-on records are the same every run. "
+                   "Guard off means no toolguard anywhere: the agents call the CRM with a plain "
+                   "HTTP client, and the CRM, without FenceMiddleware, applies what arrives.",
                    style="dim"))
     out.print()
-    out.print(Text("Next: what the agents tried that was refused, and why:", style="bold"))
+    out.print(Text("Next: what the agents tried that was refused, and what the CRM decided:",
+                   style="bold"))
     stale = guarded.stale_rejections
-    for line in next_commands(store_url, stale[0].id if stale else None):
+    crm_url, crm_schema = _crm_location(store_url)
+    for line in next_commands(store_url, stale[0].id if stale else None, crm_store=crm_url,
+                              crm_schema=crm_schema):
         out.print(f"  {line}")
     if redact(store_url) != store_url:
         out.print(Text("  (the password is shown as ***: put it back, or set TOOLGUARD_DATABASE_URL "
                        "and leave --url out)", style="dim"))
 
 
-def next_commands(store_url: str, stale_id: int | None, command: str | None = None) -> list[str]:
+def next_commands(store_url: str, stale_id: int | None, command: str | None = None, *,
+                  crm_store: str | None = None, crm_schema: str | None = None) -> list[str]:
     """The commands to review this run, runnable as printed.
 
     ``command`` defaults to how toolguard was started (``.venv/bin/toolguard``
     after the quick start); ``--url`` is added for every store but the
     embedded default under ./.toolguard, so the hints work in another shell too.
+    ``crm_store`` (and ``crm_schema`` on PostgreSQL) adds the commands that read
+    the CRM's own audit log.
     """
     command = command or invocation()
     default_store = f"sqlite:///{(Path.cwd() / '.toolguard' / 'store.db').absolute()}"
@@ -273,8 +334,49 @@ def next_commands(store_url: str, stale_id: int | None, command: str | None = No
     lines = [f"{command} audit --rejected{where}"]
     if stale_id is not None:
         lines.append(f"{command} audit show {stale_id}{where}      # the stalled worker's write")
+    if crm_store is not None:
+        crm = f" --url '{redact(crm_store)}'" + (f" --schema {crm_schema}" if crm_schema else "")
+        lines += [f"{command} audit --tool push_to_crm{where}      # the CRM pushes, as the agents "
+                  f"saw them",
+                  f"{command} audit --rejected{crm}      # the CRM's own log: its 409",
+                  f"{command} audit --decision replayed{crm}      # ... and its replay"]
     lines.append(f"{command} audit stats{where}")
     return lines
+
+
+def _crm_summary(out: Console, crm: CrmReport) -> None:
+    """The CRM's side: its records, and what it decided that was not a plain 'applied'."""
+    n = len(crm.expected)
+    right = sum(1 for lead in crm.expected if not any(m[0] == lead for m in crm.mismatches))
+    line = Text("The CRM with the guard on ", style="bold")
+    line.append(f"({crm.store}; FenceMiddleware checks every push): ")
+    line.append(f"{right}/{n} records equal to the expected ones",
+                style="green" if right == n else "red")
+    line.append(", each pushed once by the enricher and once by the router")
+    out.print(line)
+    decisions = crm.decisions()
+    line = Text("  its own audit log (this run): ", style="dim")
+    if decisions:
+        _counts(line, decisions)
+    else:
+        line.append("no request reached the CRM (every push was replayed by the agents' store)")
+    out.print(line)
+    notable = [e for e in crm.audit if e.decision != "accepted"]
+    if not notable:
+        return
+    table = Table(title="The CRM's own decisions", title_justify="left", header_style="bold",
+                  show_edge=False)
+    table.add_column("LEAD")
+    table.add_column("DECISION")
+    table.add_column("REASON")
+    table.add_column("WHAT HAPPENED", overflow="fold")
+    table.add_column("CRM AUDIT", justify="right")
+    for entry in notable:
+        lead = ", ".join(key.split(":", 1)[-1] for key in entry.keys) or "—"
+        style = "red" if entry.decision == "rejected" else "cyan"
+        table.add_row(lead, Text(entry.decision, style=style), entry.reason or "",
+                      CRM_MEANING.get(entry.reason or "", entry.detail or ""), f"#{entry.id}")
+    out.print(table)
 
 
 def _counts(line: Text, counts: Counter[str]) -> None:
@@ -315,8 +417,34 @@ def _comparison(unguarded: Report, guarded: Report) -> Table:
                   Text(f"refused (audit #{stale[0].id})", style="green") if stale
                   else Text("replayed: applied in an earlier run", style="cyan")
                   if guarded.stalls else Text("—"))
+    if unguarded.crm is not None and guarded.crm is not None:
+        crm_right = [sum(1 for lead in r.expected if not any(m[0] == lead for m in r.mismatches))
+                     for r in (unguarded.crm, guarded.crm)]
+        m = len(guarded.crm.expected)
+        table.add_row("CRM records equal to the expected ones",
+                      *(Text(f"{k}/{m}", style="green" if k == m else "red") for k in crm_right))
+        table.add_row("CRM pushes applied twice (sent again after a dropped connection)",
+                      count(unguarded, "crm_double_push"), count(guarded, "crm_double_push"))
+        table.add_row("CRM push stuck in the network, arriving last",
+                      _late_cell(unguarded.crm), _late_cell(guarded.crm))
     table.add_row("time", f"{unguarded.duration_s:.1f} s", f"{guarded.duration_s:.1f} s")
     return table
+
+
+def _late_cell(crm: CrmReport) -> Text:
+    late = crm.late_copy
+    if late is None:
+        return Text("replayed: applied in an earlier run", style="cyan") if crm.fenced \
+            else Text("—")
+    if late.landed:
+        return Text("landed", style="red")
+    if late.replayed:
+        return Text("replayed by the CRM: applied in an earlier run", style="cyan")
+    if not late.status:
+        return Text(f"never arrived ({late.detail})", style="yellow")
+    refused = [e for e in crm.audit if e.reason == "stale_fencing_token"]
+    where = f" (CRM audit #{refused[0].id})" if refused else ""
+    return Text(f"refused by the CRM: {late.status}{where}", style="green")
 
 
 def _scores(unguarded: Report, guarded: Report) -> Table:

@@ -31,7 +31,7 @@ __all__ = ["CALL", "DemoEvent", "Faults", "Interleaving", "StallingLocks"]
 class DemoEvent:
     """Progress while a pipeline runs (for the CLI's live view)."""
 
-    kind: str  # lead_done | stall | crash | interrupt | resume | rejected
+    kind: str  # lead_done | stall | crash | interrupt | resume | rejected | failed | network | late
     lead_id: str
     detail: str = ""
     agent: str | None = None
@@ -194,7 +194,8 @@ class Faults:
             extra = getattr(output, "response_metadata", None) or {}
             verdict = extra.get("toolguard") if isinstance(extra, Mapping) else None
             if verdict and verdict.get("decision") not in ("accepted", "replayed"):
-                self.notify(DemoEvent("rejected", lead_id, agent=agent,
+                kind = "failed" if verdict.get("decision") == "failed" else "rejected"
+                self.notify(DemoEvent(kind, lead_id, agent=agent,
                                       detail=f"{tool}: {verdict.get('reason')}"))
             if (tool, lead_id) == CRASHES and self._first("crash", tool, lead_id):
                 self.crashes += 1

@@ -25,10 +25,22 @@ the faults production brings, on purpose and every run:
 - ``L-105`` / ``L-106``: a model over-scores a lead / the router tries to bump
   a score: the policy refuses both (``invalid_arguments``, ``not_authorized``).
 
-The expected records are computed from the scenario alone (``expected_records``),
-never from the database, and the ``Report`` compares. The scenario's data is in
-``toolguard.demo.scenario``, the fault injection in ``toolguard.demo.harness``;
-this module holds the model, the tools, the graph and the report.
+Every lead also goes to a CRM, a small REST service the run starts on a free
+loopback port (``toolguard.demo.crm``): the enricher pushes it once enriched,
+the router once it has a tier (``push_to_crm``). Two pushes go wrong on the
+way (``toolguard.demo.network``): on ``L-102`` the router's push is applied
+but its answer is lost, and the router sends it again; on ``L-103`` the
+enricher's push is stuck in the network, the enricher sends it again, and the
+stuck copy arrives after that retry and the router's push. With the guard on,
+the CRM checks the fences and idempotency keys itself (``FenceMiddleware``): it
+replays the first and refuses the second with ``409``, and its own audit log
+shows both.
+
+The expected records are computed from the scenario alone (``expected_records``,
+``expected_crm_records``), never from the database, and the ``Report``
+compares. The scenario's data is in ``toolguard.demo.scenario``, the fault
+injection in ``toolguard.demo.harness`` and ``toolguard.demo.network``; this
+module holds the model, the tools, the graph and the report.
 """
 
 from __future__ import annotations
@@ -43,7 +55,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, TypedDict
+from urllib.parse import quote
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
@@ -58,20 +71,30 @@ from toolguard.demo.scenario import (
     SCRIPT,
     TIER_INPUTS,
     WRITE_TOOLS,
+    CrmRecord,
     LeadRecord,
     PlannedCall,
+    expected_crm_records,
     expected_records,
     first_turn_call_id,
     fit_points,
+    follow_up,
     tier_for,
 )
 from toolguard.store.base import AuditEntry, qmark
+
+if TYPE_CHECKING:
+    from toolguard.demo.crm import CrmPush
+    from toolguard.demo.network import LateCopy
 
 __all__ = [
     "AGENTS",
     "LEADS",
     "POLICY_PATH",
+    "RETRY_HINT",
     "SCHEMA_PATH",
+    "CrmRecord",
+    "CrmReport",
     "DemoEvent",
     "Finding",
     "LeadRecord",
@@ -79,6 +102,7 @@ __all__ = [
     "Report",
     "ScriptedAgentModel",
     "demo_tools",
+    "expected_crm_records",
     "expected_records",
     "fit_points",
     "run_pipeline",
@@ -95,6 +119,8 @@ EVENTS_TABLE = "toolguard_demo_lead_events"
 #: Refusals after which a model tries the same call again (a fresh tool-call id).
 RETRYABLE = frozenset({"stale_fencing_token", "out_of_order", "lease_lost", "not_owned",
                        "lock_timeout"})
+#: How a tool says that the same call may simply be sent again (a model reads it).
+RETRY_HINT = "Send the same call again: its idempotency key makes that safe."
 
 TASKS = {
     "lead_enricher": "Enrich this lead with firmographic data.",
@@ -111,8 +137,61 @@ class Finding:
     """One anomaly on one lead, in words."""
 
     lead_id: str
-    kind: str  # lost_update | double_applied | tier_before_scoring | unchecked_write
+    #: lost_update | double_applied | tier_before_scoring | unchecked_write (the leads table);
+    #: crm_double_push | crm_late_push (the CRM)
+    kind: str
     detail: str
+
+
+@dataclass(frozen=True)
+class CrmReport:
+    """What the CRM holds after a run, and what it decided (its own audit log, guard on)."""
+
+    url: str
+    store: str
+    fenced: bool
+    records: Mapping[str, CrmRecord]
+    expected: Mapping[str, CrmRecord]
+    pushes: tuple[CrmPush, ...] = ()  # one per push the CRM applied
+    audit: tuple[AuditEntry, ...] = ()  # the CRM's audit rows of this run (guard on)
+    late_copy: LateCopy | None = None  # what the CRM answered the push stuck in the network
+    lost_answers: int = 0  # pushes the CRM applied whose answer the network lost
+
+    @property
+    def mismatches(self) -> list[tuple[str, str, Any, Any]]:
+        """``(lead, field, expected, actual)`` for every CRM field that is not what it should be."""
+        out = []
+        for lead_id, want in self.expected.items():
+            got = self.records.get(lead_id)
+            for name in (*FIELDS, "pushes"):
+                expected, actual = getattr(want, name), getattr(got, name, None)
+                if expected != actual:
+                    out.append((lead_id, name, expected, actual))
+        return out
+
+    def decisions(self) -> Counter[str]:
+        return Counter(entry.decision for entry in self.audit)
+
+    def of(self, decision: str, reason: str | None = None) -> list[AuditEntry]:
+        return [e for e in self.audit
+                if e.decision == decision and (reason is None or e.reason == reason)]
+
+    def as_dict(self) -> dict[str, Any]:
+        late = self.late_copy
+        return {
+            "url": self.url, "store": self.store, "fenced": self.fenced,
+            "records": {k: asdict(v) for k, v in self.records.items()},
+            "mismatches": [{"lead_id": lead, "field": name, "expected": want, "actual": got}
+                           for lead, name, want, got in self.mismatches],
+            "pushes": [asdict(p) for p in self.pushes],
+            "decisions": dict(self.decisions()),
+            "stale_rejections": [e.id for e in self.of("rejected", "stale_fencing_token")],
+            "replays": [e.id for e in self.of("replayed")],
+            "late_copy": None if late is None else {
+                "lead_id": late.lead_id, "agent": late.agent, "status": late.status,
+                "reason": late.reason, "replayed": late.replayed, "landed": late.landed},
+            "lost_answers": self.lost_answers,
+        }
 
 
 @dataclass(frozen=True)
@@ -131,6 +210,7 @@ class Report:
     crashes: int = 0
     stalls: int = 0
     duration_s: float = 0.0
+    crm: CrmReport | None = None
 
     @property
     def mismatches(self) -> list[tuple[str, str, Any, Any]]:
@@ -146,8 +226,8 @@ class Report:
 
     @property
     def correct(self) -> bool:
-        """Every record is exactly what the scenario says it must be."""
-        return not self.mismatches
+        """Every record, in the leads table and in the CRM, is what the scenario says it must be."""
+        return not self.mismatches and (self.crm is None or not self.crm.mismatches)
 
     def of_kind(self, kind: str) -> list[Finding]:
         return [finding for finding in self.findings if finding.kind == kind]
@@ -177,6 +257,7 @@ class Report:
             "rejected_by_reason": dict(self.rejected_by_reason()),
             "stale_rejections": [e.id for e in self.stale_rejections],
             "interrupts": self.interrupts, "crashes": self.crashes, "stalls": self.stalls,
+            "crm": None if self.crm is None else self.crm.as_dict(),
         }
 
 
@@ -191,14 +272,16 @@ class ScriptedAgentModel(BaseChatModel):
 
     Turn 1 emits the planned calls for the lead named in the prompt
     (``lead_id=...``); later turns read the tool results: a retryable refusal
-    (a stale token, out of order...) sends the same call again under a new id,
-    an ``invalid_arguments`` refusal sends the planned fallback, anything else
-    ends the turn. Call ids are ``agent:lead:turn:index``: stable across runs.
+    (a stale token, out of order...) or a tool error that says to send the
+    same call again (``RETRY_HINT``) sends it again under a new id, an
+    ``invalid_arguments`` refusal sends the planned fallback, a success sends
+    the agent's next step (its CRM push, see ``follow_up``), anything else ends
+    the turn. Call ids are ``agent:lead:turn:index``: stable across runs.
     """
 
     agent: str
     plan: Any  # lead id -> tuple[PlannedCall, ...]
-    max_turns: int = 4
+    max_turns: int = 6
 
     @property
     def _llm_type(self) -> str:
@@ -233,10 +316,15 @@ class ScriptedAgentModel(BaseChatModel):
         calls = []
         for call in last.tool_calls:
             result = results.get(call["id"])
-            if result is None or result.status != "error":
+            if result is None:
+                continue
+            if result.status != "error":
+                step = follow_up(call["name"], lead_id)
+                if step is not None:
+                    calls.append((step.tool, dict(step.args)))
                 continue
             reason = (result.response_metadata.get("toolguard") or {}).get("reason")
-            if reason in RETRYABLE:
+            if reason in RETRYABLE or RETRY_HINT in str(result.content):
                 calls.append((call["name"], dict(call["args"])))
             elif reason == "invalid_arguments":
                 for planned in self.plan.get(lead_id, ()):
@@ -313,6 +401,22 @@ class _Leads:
                          call.agent if call else "?", tool, call.call_id if call else "?",
                          json.dumps(draft.detail, sort_keys=True)))
 
+    def snapshot(self, lead_id: str) -> dict[str, Any]:
+        """The lead as it is now (guarded: read in the call's transaction, if it has one)."""
+        tx = None
+        if self.guarded:
+            from toolguard.context import current
+
+            tx = current().tx
+        if tx is not None:
+            draft = self._read(tx.execute, lead_id)
+        else:
+            with self._plain() as execute:
+                draft = self._read(execute, lead_id)
+        return {"company": draft.company, "email": draft.email, "employees": draft.employees,
+                "industry": draft.industry, "email_status": draft.email_status,
+                "score": draft.score, "tier": draft.tier}
+
     @contextlib.contextmanager
     def lead(self, lead_id: str, tool: str) -> Iterator[_Draft]:
         """Read the lead, let the tool change it, write it back (whole) with an event row."""
@@ -338,11 +442,12 @@ class _Leads:
 
 def demo_tools() -> dict[str, Any]:
     """The demo's tools by name, to check a policy against their arguments before a run."""
-    return {tool.name: tool for tool in _make_tools(None)}  # type: ignore[arg-type]
+    return {tool.name: tool for tool in _make_tools(None, None)}  # type: ignore[arg-type]
 
 
-def _make_tools(leads: _Leads) -> list[Any]:
-    from langchain_core.tools import tool
+def _make_tools(leads: _Leads, crm: Any) -> list[Any]:
+    """The five tools on the leads table and the CRM push (``crm``: an httpx client)."""
+    from langchain_core.tools import ToolException, tool
     from langgraph.types import interrupt
 
     @tool
@@ -394,7 +499,42 @@ def _make_tools(leads: _Leads) -> list[Any]:
             tier, score = lead.tier, lead.score
         return f"{lead_id}: tier {tier} (score {score})"
 
-    return [enrich_lead, update_intent_score, request_review, verify_email, set_tier]
+    @tool
+    def push_to_crm(lead_id: str, stage: str) -> str:
+        """Send a lead's whole record to the CRM (stage: enriched or qualified)."""
+        import httpx
+
+        call = CALL.get()
+        body = {**leads.snapshot(lead_id), "stage": stage, "agent": call.agent if call else "?"}
+        try:
+            response = crm.put(f"/leads/{quote(lead_id, safe='')}", json=body)
+        except httpx.TransportError as error:
+            msg = (f"the CRM did not answer ({type(error).__name__}: {error}), so the push may "
+                   f"or may not have landed. {RETRY_HINT}")
+            raise ToolException(msg) from error
+        if response.status_code >= 400:
+            msg = f"the CRM refused the push: HTTP {response.status_code} {response.text[:200]}"
+            raise ToolException(msg)
+        answer = response.json()
+        text = (f"{lead_id}: pushed to the CRM as {stage} (push {answer['push']}: score "
+                f"{answer['score']}, tier {answer['tier'] or '-'})")
+        if response.headers.get("idempotent-replayed") == "true":
+            text += "; the CRM had applied it already and replayed its recorded answer"
+            _note_on_audit_row("the CRM replayed its recorded answer (Idempotent-Replayed: true)")
+        return text
+
+    push_to_crm.handle_tool_error = True  # a CRM that does not answer is an error message, not a crash
+
+    return [enrich_lead, update_intent_score, request_review, verify_email, set_tier, push_to_crm]
+
+
+def _note_on_audit_row(text: str) -> None:
+    """Put ``text`` on the accepted audit row of the guarded call running here (if any)."""
+    from toolguard.context import current_or_none
+
+    ctx = current_or_none()
+    if ctx is not None and ctx.tx is not None:
+        ctx.tx.detail = text
 
 
 def install_tables(store: Any, schema_path: Path = SCHEMA_PATH) -> None:
@@ -523,6 +663,8 @@ def run_pipeline(
     locks: Any = None,
     store_options: Mapping[str, Any] | None = None,
     lock_options: Mapping[str, Any] | None = None,
+    crm_store_url: str | None = None,
+    crm_store_options: Mapping[str, Any] | None = None,
     policy_path: str | Path = POLICY_PATH,
     schema_path: str | Path = SCHEMA_PATH,
     pipeline: str | None = None,
@@ -531,15 +673,19 @@ def run_pipeline(
 ) -> Report:
     """Run the lead qualifier once over the six leads and report what happened.
 
-    ``guarded`` puts toolguard on every ``ToolNode``; without it the same graph
-    and tools write directly. Backends: pass open ``store``/``locks`` objects, or
-    URLs (default: the settings, i.e. ``TOOLGUARD_DATABASE_URL`` /
-    ``TOOLGUARD_REDIS_URL``, else the embedded SQLite file). ``pipeline`` names
-    the rows and threads of this run (default ``lead-qualifier`` or
-    ``lead-qualifier-unguarded``); the guarded pipeline keeps its rows between
-    runs (``reset=False``), so running it again replays every intent and
-    changes nothing; the unguarded one starts over each time.
+    ``guarded`` puts toolguard on every ``ToolNode`` (and ``FenceMiddleware`` on
+    the CRM); without it the same graph, tools and CRM run without. Backends:
+    pass open ``store``/``locks`` objects, or URLs (default: the settings, i.e.
+    ``TOOLGUARD_DATABASE_URL`` / ``TOOLGUARD_REDIS_URL``, else the embedded
+    SQLite file). The CRM keeps a store of its own: ``crm_store_url`` (default
+    ``crm.db`` beside the agents' SQLite file, or the ``toolguard_demo_crm``
+    schema of their PostgreSQL database) with ``crm_store_options``.
+    ``pipeline`` names the rows and threads of this run (default
+    ``lead-qualifier`` or ``lead-qualifier-unguarded``); the guarded pipeline
+    keeps its rows between runs (``reset=False``), so running it again replays
+    every intent and changes nothing; the unguarded one starts over each time.
     """
+    from toolguard.demo.crm import CrmService, crm_store_for
     from toolguard.locks import connect
     from toolguard.store import open_store
 
@@ -561,6 +707,14 @@ def run_pipeline(
         store_label = _label(store_url) if store_url else repr(store)
         install_tables(store, Path(schema_path))
         seed_leads(store, pipeline, reset=reset)
+        if crm_store_url is None:
+            crm_store_url, default_options = crm_store_for(store_url, store)
+            crm_store_options = {**default_options, **dict(crm_store_options or {})}
+        crm = CrmService(crm_store_url, pipeline=pipeline, fenced=guarded,
+                         store_options=crm_store_options, reset=reset).start()
+        owned.append(crm.close)
+        network, http = _crm_client(crm.url, guarded, notify)
+        owned.append(http.close)
         lock_label = "-"
         interleaving = None
         if guarded:
@@ -580,13 +734,14 @@ def run_pipeline(
             interleaving = Interleaving(parties)
             inner, granted = None, None
         faults = Faults(inner, notify, granted)
-        tools = _make_tools(_Leads(store, pipeline, guarded, interleaving))
+        tools = _make_tools(_Leads(store, pipeline, guarded, interleaving), http)
         graph = _build_graph(tools, faults)
         start_id = _newest_audit_id(store) if guarded else 0
         started = time.monotonic()
         with ThreadPoolExecutor(max_workers=len(LEADS), thread_name_prefix="lead") as pool:
             interrupts = sum(pool.map(lambda lead: _run_lead(graph, lead.lead_id, pipeline, notify),
                                       LEADS))
+        network.finish()  # a push still stuck in the network arrives now, if it has not yet
         duration = time.monotonic() - started
         audit: tuple[AuditEntry, ...] = ()
         if guarded:
@@ -596,15 +751,38 @@ def run_pipeline(
                           if (e.workflow or "").startswith(prefix))
         records = read_records(store, pipeline)
         events = read_events(store, pipeline)
+        crm_report = CrmReport(url=crm.url, store=crm.label, fenced=guarded,
+                               records=crm.records(), expected=expected_crm_records(),
+                               pushes=tuple(crm.pushes()), audit=crm.audit(),
+                               late_copy=network.late_copy, lost_answers=network.lost_answers)
+        findings = [*_findings(records, events), *_crm_findings(crm_report)]
         return Report(guarded=guarded, pipeline=pipeline, locks=lock_label, store=store_label,
                       records=records, expected=expected_records(),
-                      findings=tuple(_findings(records, events)), audit=audit,
+                      findings=tuple(findings), audit=audit,
                       interrupts=interrupts, crashes=faults.crashes, stalls=faults.stalls,
-                      duration_s=duration)
+                      duration_s=duration, crm=crm_report)
     finally:
         for close in reversed(owned):
             with contextlib.suppress(Exception):
                 close()
+
+
+def _crm_client(url: str, guarded: bool, notify: Callable[[DemoEvent], None]) -> tuple[Any, Any]:
+    """The agents' HTTP client to the CRM, over the scenario's faulty network.
+
+    Guarded: a ``FencedClient``, so every push carries the lease's fences, the
+    agent, the intent and an idempotency key. Unguarded: a plain httpx client.
+    """
+    import httpx
+
+    from toolguard.demo.network import CrmNetwork
+
+    network = CrmNetwork(notify)
+    if guarded:
+        from toolguard.fences import FencedClient
+
+        return network, FencedClient(base_url=url, transport=network, timeout=10.0)
+    return network, httpx.Client(base_url=url, transport=network, timeout=10.0)
 
 
 def _guarded_calls(store: Any, locks: Any, policy_path: Path, notify: Callable[[DemoEvent], None],
@@ -660,6 +838,23 @@ def _findings(records: Mapping[str, LeadRecord],
                     found.append(Finding(lead, "lost_update",
                                          f"{who} set {name}={value!r}; the record says "
                                          f"{getattr(record, name)!r}"))
+    return found
+
+
+def _crm_findings(crm: CrmReport) -> list[Finding]:
+    """What the CRM's push log says happened that should not have."""
+    found = []
+    applied = Counter((push.lead_id, push.stage) for push in crm.pushes)
+    for (lead, stage), times in sorted(applied.items()):
+        if times > 1:
+            found.append(Finding(lead, "crm_double_push",
+                                 f"the {stage} push was applied {times}x: the CRM got it again "
+                                 f"after its answer was lost or the connection dropped"))
+    late = crm.late_copy
+    if late is not None and late.landed:
+        found.append(Finding(late.lead_id, "crm_late_push",
+                             f"{late.agent}'s push, stuck in the network, landed last, after its "
+                             f"retry and the router's push: the CRM now holds the older copy"))
     return found
 
 

@@ -14,18 +14,25 @@ from typing import Any
 __all__ = [
     "AGENTS",
     "CRASHES",
+    "CRM_DELAYED",
+    "CRM_LOST_ANSWER",
+    "CRM_TOOL",
     "EMAIL_POINTS",
     "FIELDS",
     "LEADS",
     "SCRIPT",
+    "STAGES",
     "STALLED",
     "TIER_INPUTS",
     "WRITE_TOOLS",
+    "CrmRecord",
     "LeadRecord",
     "PlannedCall",
+    "expected_crm_records",
     "expected_records",
     "first_turn_call_id",
     "fit_points",
+    "follow_up",
     "tier_for",
 ]
 
@@ -35,6 +42,11 @@ WRITE_TOOLS = frozenset({"enrich_lead", "update_intent_score", "verify_email", "
 TIER_INPUTS = ("enrich_lead", "update_intent_score", "verify_email")
 #: The fields of a lead the agents set, compared with the expected records.
 FIELDS = ("employees", "industry", "email_status", "score", "tier")
+#: The tool that sends a lead to the CRM (it writes the CRM, not the leads table).
+CRM_TOOL = "push_to_crm"
+#: Who pushes a lead to the CRM, and when: the enricher once it has enriched the lead, the
+#: router once it has set the tier. Each push sends the whole record as the agent reads it.
+STAGES = {"enrich_lead": "enriched", "set_tier": "qualified"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +157,36 @@ SCRIPT = _script()
 STALLED = ("enrich_lead", "L-103")
 #: (tool, lead): the call whose worker dies after the commit, before the checkpoint.
 CRASHES = ("update_intent_score", "L-102")
+#: (agent, lead): the CRM push whose connection drops after the CRM applied it: the answer
+#: is lost, so the agent cannot tell whether it landed and sends it again.
+CRM_LOST_ANSWER = ("router", "L-102")
+#: (agent, lead): the CRM push stuck in the network: the connection drops before the CRM
+#: sees it, the agent sends it again, and the stuck copy arrives after that retry and the
+#: router's push.
+CRM_DELAYED = ("lead_enricher", "L-103")
+
+
+@dataclass(frozen=True, slots=True)
+class CrmRecord:
+    """One lead as the CRM holds it: the last push it applied, and how many it applied."""
+
+    lead_id: str
+    company: str
+    email: str
+    employees: int | None = None
+    industry: str | None = None
+    email_status: str | None = None
+    score: int = 0
+    tier: str | None = None
+    pushes: int = 0
+
+
+def follow_up(tool: str, lead_id: str) -> PlannedCall | None:
+    """What an agent sends after ``tool`` succeeded on ``lead_id``: its CRM push, if any."""
+    stage = STAGES.get(tool)
+    if stage is None:
+        return None
+    return PlannedCall(CRM_TOOL, {"lead_id": lead_id, "stage": stage})
 
 
 def expected_records(leads: Sequence[LeadRecord] = LEADS) -> dict[str, LeadRecord]:
@@ -180,3 +222,8 @@ def first_turn_call_id(agent: str, lead_id: str, index: int) -> str:
     return f"{agent}:{lead_id}:1:{index}"
 
 
+def expected_crm_records(leads: Sequence[LeadRecord] = LEADS) -> dict[str, CrmRecord]:
+    """What the CRM must hold after a correct run: each lead's final record, pushed once per stage."""
+    return {lead_id: CrmRecord(lead_id, r.company, r.email, r.employees, r.industry,
+                               r.email_status, r.score, r.tier, pushes=len(STAGES))
+            for lead_id, r in expected_records(leads).items()}

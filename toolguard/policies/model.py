@@ -9,6 +9,7 @@ with file and line when the policy came from a file.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ from pydantic import (
 )
 
 from toolguard.errors import PolicyProblems
-from toolguard.intent import DEFAULT_LIMITS, IdempotencyKeyFn, IdempotencyScope, Limits
+from toolguard.intent import DEFAULT_LIMITS, IdempotencyKeyFn, IdempotencyScope, Limits, canonical_json
+from toolguard.policies import controls
+from toolguard.policies.controls import ApprovalSetting, Mode, QuotaList
 from toolguard.policies.paths import FieldPath
 from toolguard.policies.templates import KeyTemplate
 
@@ -187,6 +190,9 @@ class ArgConstraint(BaseModel):
         return frozenset(kinds)
 
 
+controls.resolve_forward_refs()  # ApprovalRule.when holds ArgConstraints
+
+
 class ToolPolicy(BaseModel):
     """The rules for one tool. Inside a ``Policy`` every inherited field is filled in.
 
@@ -214,6 +220,9 @@ class ToolPolicy(BaseModel):
     wait_timeout_s: NonNegativeFloat = 5.0
     idempotency_scope: IdempotencyScope = "thread"
     limits: Limits = DEFAULT_LIMITS
+    approval: ApprovalSetting = None
+    quotas: QuotaList = ()
+    mode: Mode = "enforce"
 
     _name: str = PrivateAttr(default="")
 
@@ -277,9 +286,12 @@ class Defaults(BaseModel):
     fenced: bool = True
     idempotency_scope: IdempotencyScope = "thread"
     limits: Limits = DEFAULT_LIMITS
+    mode: Mode = "enforce"
+    quotas: QuotaList = ()
 
 
-_INHERITED = ("ttl_ms", "wait_timeout_s", "after_wait_s", "agents", "fenced", "idempotency_scope")
+_INHERITED = ("ttl_ms", "wait_timeout_s", "after_wait_s", "agents", "fenced", "idempotency_scope",
+              "mode")
 
 
 class Policy(BaseModel):
@@ -300,6 +312,7 @@ class Policy(BaseModel):
 
     _locations: dict[tuple[str | int, ...], Location] = PrivateAttr(default_factory=dict)
     _key_fn: IdempotencyKeyFn | None = PrivateAttr(default=None)
+    _digest: str | None = PrivateAttr(default=None)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None,
@@ -331,6 +344,7 @@ class Policy(BaseModel):
                                       if field not in tool.model_fields_set}
             own = tool.limits.model_dump(exclude_unset=True) if "limits" in tool.model_fields_set else {}
             update["limits"] = defaults.limits.model_copy(update=own) if own else defaults.limits
+            update["quotas"] = (*defaults.quotas, *tool.quotas)  # added to, never replaced
             copy = tool.model_copy(update=update)
             copy._name = name
             resolved[name] = copy
@@ -348,6 +362,20 @@ class Policy(BaseModel):
         return self
 
     # --- using the policy ---------------------------------------------------------
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (hex) of the policy's canonical content: which policy decided.
+
+        Two policies that mean the same (defaults written out or not, keys in
+        another order, several files or one) have the same digest; comments and
+        file names do not count, nor does a ``key_fn`` given in code. ``version``
+        is the file format's version (1), not this.
+        """
+        if self._digest is None:
+            content = canonical_json(self.model_dump(mode="json", exclude_defaults=True))
+            self._digest = hashlib.sha256(content.encode("utf-8")).hexdigest()
+        return self._digest
 
     @property
     def key_fn(self) -> IdempotencyKeyFn | None:
@@ -379,6 +407,7 @@ class Policy(BaseModel):
         from toolguard.policies.schemas import schema_problems
 
         problems = schema_problems(self, tool_schemas, missing_ok=missing_ok)
+        problems += controls.control_schema_problems(self, tool_schemas)
         if problems:
             raise PolicyProblems(problems)
 
@@ -415,6 +444,7 @@ def policy_problems(policy: Policy) -> list[Problem]:
                     f"{name!r} and {earlier!r} lock no resource of the same kind, so 'after' "
                     f"can never be checked on the same resource (compare their locks:)")))
     problems.extend(_cycles(policy))
+    problems.extend(controls.control_problems(policy))
     return problems
 
 

@@ -8,10 +8,18 @@
 >>> intent = IntentRecord(tool="deposit", idempotency_key="run-7/call-3",
 ...                       args_hash=args_hash(args), agent="payments", keys=("account:42",))
 >>> with locks.acquire(["account:42"]) as lease:
-...     with store.fenced(lease.tokens, intent) as tx:
+...     with store.fenced(lease, intent) as tx:
 ...         (balance,) = tx.execute("SELECT balance FROM account WHERE id = %s", (42,)).fetchone()
-...         tx.execute("UPDATE account SET balance = %s WHERE id = %s", (balance + 10, 42))
+...         tx.execute("UPDATE account SET balance = %s WHERE id = %s", (balance + 10, 42),
+...                    expect_rows=1)
 ...         tx.record({"balance": balance + 10})
+
+``fenced(lease, intent)`` checks the lease right before the commit
+(``LockLost`` if it was lost or released meanwhile): the same check
+``ToolGuard.run`` makes. ``fenced(lease.tokens, intent)`` still
+works, without that check. ``expect_rows=n`` makes a statement that matches
+another number of rows an error (``RecordNotFound`` for fewer, ``TooManyRows``
+for more) that rolls the transaction back, never a silent no-op.
 
 ``fenced()`` opens one transaction that first checks and advances the fence of
 every key (sorted, so two writers cannot deadlock in the database): a token
@@ -44,6 +52,17 @@ depends on through ``tx``, never before entering ``fenced()``. Run PostgreSQL
 at READ COMMITTED (the default): each statement then sees the commits of
 every earlier fence holder; every writer of the data must fence the same keys.
 
+A holder paused inside its fenced transaction (a stopped process) keeps its
+fence rows locked. On PostgreSQL the next holder ends that transaction once the
+paused holder's lease is gone (its token for the key is newer), never before:
+a live holder is never cut (``toolguard/sql/README.md``). On SQLite nothing can
+end it; the late commit is still refused by the lease check.
+
+Results are JSON: ``json.dumps(value, allow_nan=False)`` with valid Unicode
+strings, replayed as ``json.loads`` of that text, identically on both stores
+(NUL, key order and ``1e16`` included); a lone surrogate is refused
+(``not_json``).
+
 Tools whose side effect cannot check a token (an external API) get no such
 guarantee from the store: there the lock is only an efficiency measure and the
 idempotency key (passed on to the API) is what prevents duplicates.
@@ -53,8 +72,16 @@ Rejections raise typed errors mapped from the SQLSTATE class ``TG`` (see
 ``InvalidFencingToken``, TG003 ``RecordNotFound``, TG004
 ``IdempotencyConflict``, TG005 ``AuditAppendOnly``.
 
+Recovery: ``run_fenced(locks, store, keys, body)`` locks, writes and
+releases, and when the lock server regressed (it issued a token below the
+store's high-water mark while the lease is still held) re-seeds it from the
+store and retries once. Callers who acquire first and write later get the same
+step from ``reseed_if_regressed(locks, store, lease, stale)`` (see
+``toolguard.store.recovery``); ``reseed`` raises the floors at any time.
+
 Names: ``open_store``/``open_async_store`` pick the backend by URL scheme
-(``postgresql://``/``postgres://`` or ``sqlite:///``). The async store has the
+(``postgresql://``/``postgres://`` or ``sqlite:///``); ``install=True`` installs
+or upgrades the schema (the async store does it before its first operation). The async store has the
 same methods as coroutines and ``async with store.fenced(...)``. Beyond the
 core shape, ``high_waters(keys)`` (one query for several keys, used by the
 re-seed), ``connection()`` (a raw autocommit connection for reads and setup) and
@@ -79,13 +106,25 @@ from toolguard.store.base import (
     Begun,
     Decision,
     FencedTransaction,
+    FenceSource,
     GuardedStore,
+    HeldLease,
     IntentRecord,
     IntentStatus,
     Migration,
     Replay,
     latest_version,
     migrations,
+)
+from toolguard.store.recovery import (
+    Outcome,
+    areseed,
+    areseed_if_regressed,
+    arun_fenced,
+    lock_regressed,
+    reseed,
+    reseed_if_regressed,
+    run_fenced,
 )
 
 __all__ = [
@@ -97,16 +136,26 @@ __all__ = [
     "AuditQuery",
     "Begun",
     "Decision",
+    "FenceSource",
     "FencedTransaction",
     "GuardedStore",
+    "HeldLease",
     "IntentRecord",
     "IntentStatus",
     "Migration",
+    "Outcome",
     "Replay",
+    "areseed",
+    "areseed_if_regressed",
+    "arun_fenced",
     "latest_version",
+    "lock_regressed",
     "migrations",
     "open_async_store",
     "open_store",
+    "reseed",
+    "reseed_if_regressed",
+    "run_fenced",
 ]
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")
@@ -154,9 +203,16 @@ def open_store(url: str | None = None, *, install: bool = False, **options: Any)
     return store
 
 
-def open_async_store(url: str | None = None, **options: Any) -> AsyncGuardedStore:
-    """An ``AsyncGuardedStore`` for ``url``; its pool opens on first use (call ``install()``
-    yourself if needed)."""
+def open_async_store(url: str | None = None, *, install: bool = False,
+                     **options: Any) -> AsyncGuardedStore:
+    """An ``AsyncGuardedStore`` for ``url``; its pool opens on first use.
+
+    Options as ``open_store``. ``install=True`` installs or upgrades the schema
+    before the store's first operation: this function is not a coroutine, so
+    the first awaited call runs it (and raises its error, e.g.
+    ``BackendUnavailable``; the next call tries again). ``await store.install()``
+    does it at once.
+    """
     if url is None:
         from toolguard.config import Settings
 
@@ -165,8 +221,8 @@ def open_async_store(url: str | None = None, **options: Any) -> AsyncGuardedStor
         from toolguard.locks import sqlite_path
         from toolguard.store.sqlite import AsyncSqliteStore
 
-        return AsyncSqliteStore(sqlite_path(url), **options)
+        return AsyncSqliteStore(sqlite_path(url), install=install, **options)
     require("postgres", "the PostgreSQL store")
     from toolguard.store.postgres import AsyncPostgresStore
 
-    return AsyncPostgresStore(url, **options)
+    return AsyncPostgresStore(url, install=install, **options)

@@ -32,6 +32,7 @@ from typing import (
     Any,
     Literal,
     Protocol,
+    TypeGuard,
     runtime_checkable,
 )
 
@@ -44,10 +45,12 @@ from toolguard.errors import (
     IntentRejected,
     InvalidFencingToken,
     LockError,
+    LockLost,
     RecordNotFound,
     StaleFencingToken,
     StoreError,
     ToolGuardError,
+    TooManyRows,
     is_control_flow,
 )
 
@@ -63,17 +66,24 @@ __all__ = [
     "Begun",
     "Decision",
     "FencePlan",
+    "FenceSource",
     "FencedTransaction",
     "GuardedStore",
+    "HeldLease",
     "IntentRecord",
     "IntentStatus",
     "Migration",
     "Replay",
     "dump_json",
     "error_from_sqlstate",
+    "expected_rows",
     "latest_version",
     "migrations",
     "qmark",
+    "require_held",
+    "storable_json",
+    "storable_text",
+    "text_problem",
 ]
 
 log = logging.getLogger("toolguard.store")
@@ -131,6 +141,17 @@ class IntentRecord:
             msg = f"intent {self.idempotency_key!r} has an idempotency key but no args_hash"
             raise StoreError(msg, reason="invalid_intent")
         object.__setattr__(self, "keys", tuple(self.keys))
+        for name in _INTENT_TEXT:
+            value = getattr(self, name)
+            for text in (value if name == "keys" else (value,)):
+                problem = text_problem(text) if isinstance(text, str) else None
+                if problem:
+                    msg = f"intent field {name!r} {problem}: {text!r} (the stores cannot keep it)"
+                    raise StoreError(msg, reason="invalid_intent")
+
+
+#: The intent's text that identifies it in the stores: refused, never altered, if unstorable.
+_INTENT_TEXT = ("tool", "idempotency_key", "args_hash", "agent", "workflow", "intent_id", "keys")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,12 +220,20 @@ class AuditEntry:
         return data
 
     def insert_values(self, dialect: str) -> tuple[Any, ...]:
-        """Column values in ``AUDIT_COLUMNS`` order; JSON columns (and SQLite's keys) as JSON text."""
-        keys: Any = list(self.keys) if dialect == "postgresql" else dump_json(list(self.keys), "keys")
-        return (self.agent, self.tool, self.intent_id, self.idempotency_key, self.workflow,
-                self.decision, self.reason, keys, dump_json(dict(self.tokens), "tokens"),
-                None if self.args is None else dump_json(self.args, "audit args"),
-                self.detail, self.duration_ms, self.node_attempt)
+        """Column values in ``AUDIT_COLUMNS`` order; JSON columns (and SQLite's keys) as JSON text.
+
+        Text a store could not keep (NUL, lone surrogates) gets U+FFFD instead
+        (``storable_text``): an audit row is written whatever it records.
+        """
+        clean = _storable_text
+        listed = [storable_text(k) for k in self.keys]
+        keys: Any = listed if dialect == "postgresql" else _JSON.encode(listed)
+        return (clean(self.agent), clean(self.tool), clean(self.intent_id),
+                clean(self.idempotency_key), clean(self.workflow), storable_text(self.decision),
+                storable_text(self.reason), keys,
+                _JSON.encode({storable_text(k): v for k, v in self.tokens.items()}),
+                None if self.args is None else _audit_json(self.args),
+                clean(self.detail), self.duration_ms, self.node_attempt)
 
 
 AUDIT_COLUMNS = ("agent", "tool", "intent_id", "idempotency_key", "workflow", "decision", "reason",
@@ -219,12 +248,102 @@ _JSON_SCALARS = (str, int, bool, type(None))
 
 
 def dump_json(value: Any, what: str = "result") -> str:
-    """Strict JSON text (no NaN, no arbitrary objects), so both stores keep the same value."""
+    """Strict JSON text (no NaN, no arbitrary objects), so both stores keep the same value.
+
+    Strings must be valid Unicode: a lone surrogate cannot be UTF-8, which both
+    stores keep their text in, so it is refused (``not_json``) and never escaped.
+    """
     try:
-        return _JSON.encode(value)
+        text = _JSON.encode(value)
     except (TypeError, ValueError) as error:
         msg = f"the {what} must be JSON-serializable: {error}"
         raise StoreError(msg, reason="not_json") from error
+    if not text.isascii() and _SURROGATE.search(text):
+        where = _surrogate_path(value, what.rsplit(" ", 1)[-1]) or what
+        msg = (f"the {what} must be valid Unicode: {where} holds a lone surrogate, which "
+               f"UTF-8 cannot encode")
+        raise StoreError(msg, reason="not_json")
+    return text
+
+
+# --- text every store can keep ---------------------------------------------------------------
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_problem(text: str) -> str | None:
+    """Why a store cannot keep ``text`` as it is (None if it can).
+
+    PostgreSQL refuses NUL in ``text`` (SQLite keeps it), and neither store can
+    keep a lone surrogate (no UTF-8 form): refused the same way on both.
+    """
+    if "\x00" in text:
+        return "contains NUL (U+0000)"
+    if not text.isascii() and _SURROGATE.search(text):
+        return "is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def storable_text(text: str) -> str:
+    """``text`` with NUL and lone surrogates replaced by U+FFFD.
+
+    For the audit log only, which must be written whatever arrives (a tool's
+    error message, redacted args): an identity (a key, an idempotency key) is
+    refused instead (``text_problem``), never changed.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    if not text.isascii():
+        text = _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def storable_json(value: Any) -> Any:
+    """A JSON value with every string and object key passed through ``storable_text``."""
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, Mapping):
+        return {storable_text(k) if isinstance(k, str) else k: storable_json(v)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable_json(v) for v in value]
+    return value
+
+
+def _storable_text(value: str | None) -> str | None:
+    return None if value is None else storable_text(value)
+
+
+def _audit_json(value: Any) -> str:
+    """Audit args as JSON text, cleaned first only when they hold text a store refuses."""
+    try:
+        text = _JSON.encode(value)
+    except (TypeError, ValueError) as error:
+        msg = f"the audit args must be JSON-serializable: {error}"
+        raise StoreError(msg, reason="not_json") from error
+    # NUL is escaped as \u0000 in the text (a false alarm on a literal backslash is harmless).
+    if "\\u0000" in text or (not text.isascii() and _SURROGATE.search(text)):
+        text = _JSON.encode(storable_json(value))
+    return text
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
+    """Where in ``value`` the first string (or object key) with a lone surrogate is."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return f"the key {key!r} of {path}"
+            found = _surrogate_path(item, f"{path}[{key!r}]")
+            if found:
+                return found
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found = _surrogate_path(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
 
 
 # --- migrations ----------------------------------------------------------------------
@@ -319,6 +438,63 @@ def classify(error: BaseException) -> Failure:
     return Failure("failed", "error", "failed")
 
 
+# --- the lease a fenced write runs under -------------------------------------------------------
+
+
+@runtime_checkable
+class HeldLease(Protocol):
+    """What ``fenced()`` needs of a lease (``toolguard.locks.Lease`` is one): its tokens, and
+    whether it is still held."""
+
+    keys: tuple[str, ...]
+    tokens: Mapping[str, int]
+    released: bool
+
+    @property
+    def lost(self) -> bool: ...
+
+    def check(self) -> None: ...
+
+
+#: What ``fenced()`` takes: a lease (checked before the commit) or its tokens alone.
+FenceSource = HeldLease | Mapping[str, int]
+
+
+def _is_lease(value: object) -> TypeGuard[HeldLease]:
+    # Duck-typed (cheaper than a runtime Protocol check, and any lease class will do).
+    return all(hasattr(value, name) for name in ("tokens", "keys", "released", "lost", "check"))
+
+
+def require_held(lease: HeldLease | None) -> None:
+    """Raise ``LockLost`` unless ``lease`` (if any) is still held: neither lost nor released."""
+    if lease is None:
+        return
+    if lease.released:
+        msg = f"the lease on {', '.join(lease.keys)} was released before its fenced write committed"
+        raise LockLost(msg, keys=lease.keys)
+    lease.check()
+
+
+def _lost_meanwhile(lease: HeldLease | None, error: BaseException) -> BaseException:
+    """The lease's loss, if it explains a connection that broke before the commit was sent.
+
+    A next holder may end the transaction of a holder whose lease ran out
+    (PostgreSQL: ``toolguard_fence`` terminates a stale blocker), which the
+    late holder sees as a lost connection: nothing was committed, and the cause
+    is the lease, not the server.
+    """
+    if lease is None or not isinstance(error, BackendUnavailable):
+        return error
+    try:
+        require_held(lease)
+    except LockLost as lost:
+        msg = f"{lost.message}; its fenced transaction was ended meanwhile ({error.message})"
+        superseded = LockLost(msg, keys=lost.keys)
+        superseded.__cause__ = error
+        return superseded
+    return error
+
+
 # --- the fenced-write plan -------------------------------------------------------------
 
 
@@ -327,7 +503,8 @@ class FencePlan:
     """Validated input of one fenced transaction: keys in canonical order, their tokens.
 
     Building never raises: an unusable input is kept as ``problem`` so that the
-    flow can audit it like any other rejection.
+    flow can audit it like any other rejection. ``lease`` is the lease the
+    tokens came from, when the caller passed one.
     """
 
     keys: tuple[str, ...]
@@ -336,22 +513,30 @@ class FencePlan:
     detail: str | None
     started: float
     problem: ToolGuardError | None = None
+    lease: HeldLease | None = None
 
     @classmethod
-    def build(cls, tokens: Mapping[str, int], intent: IntentRecord | None,
+    def build(cls, source: FenceSource, intent: IntentRecord | None,
               detail: str | None = None) -> FencePlan:
         started = time.monotonic()
         problem: ToolGuardError | None = None
         clean: dict[str, int] = {}
+        lease: HeldLease | None = None
+        tokens: Any = source
+        if not isinstance(source, Mapping) and _is_lease(source):
+            lease, tokens = source, source.tokens
         try:
             items = list(tokens.items())
         except AttributeError:
             items = []
-            problem = InvalidFencingToken(f"tokens must be a mapping of key to token, got {tokens!r}")
+            problem = InvalidFencingToken(
+                f"fenced() takes a Lease or a mapping of key to token, got {source!r}")
         for key, token in items:
             if not isinstance(key, str) or not key:
                 problem = problem or InvalidFencingToken(f"fencing keys must be non-empty strings, "
                                                          f"got {key!r}")
+            elif (unstorable := text_problem(key)) is not None:
+                problem = problem or InvalidFencingToken(f"fencing key {key!r} {unstorable}")
             elif not isinstance(token, int) or isinstance(token, bool) or token <= 0:
                 problem = problem or InvalidFencingToken(
                     f"fencing token for key {key!r} must be a positive integer, got {token!r}")
@@ -364,7 +549,7 @@ class FencePlan:
                                             reason="invalid_intent")
             intent = None
         keys = tuple(sorted(clean))
-        return cls(keys, {k: clean[k] for k in keys}, intent, detail, started, problem)
+        return cls(keys, {k: clean[k] for k in keys}, intent, detail, started, problem, lease)
 
     @property
     def idempotency_key(self) -> str | None:
@@ -429,8 +614,8 @@ class _TxBase:
         #: A toolguard error seen by ``execute`` (e.g. TG001 from the tool's own fenced SQL):
         #: re-raised at commit if the tool swallowed it.
         self.failure: ToolGuardError | None = None
-        #: The lease the tokens came from, when the caller holds one (``run_fenced`` sets it).
-        self.lease: Any = None
+        #: The lease the tokens came from, when ``fenced()`` was given one.
+        self.lease: Any = plan.lease
 
     @property
     def result(self) -> Any:
@@ -451,10 +636,22 @@ class _TxBase:
     def result_json(self) -> str:
         return self._result_json
 
+    def _require_rows(self, expected: int, cursor: Any, sql: str) -> None:
+        actual = matched_rows(cursor)
+        if actual != expected:
+            error = row_count_error(expected, actual, sql)
+            self.failure = error  # re-raised at commit if the tool swallows it
+            raise error
+
     @property
     def tokens_json(self) -> str:
         """The tokens as JSON text, as the intent row records them."""
         return dump_json(dict(self.tokens), "tokens")
+
+
+#: A session's statement runner: ``(sql, params, counted)``; ``counted`` asks for a cursor
+#: whose ``matched`` (or ``rowcount``) is the rows the statement returned or changed.
+Execute = Callable[[str, Any, bool], Any]
 
 
 class FencedTransaction(_TxBase):
@@ -465,14 +662,23 @@ class FencedTransaction(_TxBase):
     psycopg-style ``%s`` placeholders on both stores.
     """
 
-    def __init__(self, connection: Any, plan: FencePlan, dialect: str,
-                 execute: Callable[[str, Any], Any]) -> None:
+    def __init__(self, connection: Any, plan: FencePlan, dialect: str, execute: Execute) -> None:
         super().__init__(connection, plan, dialect)
         self._execute = execute
 
-    def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> Any:
-        """Run one statement in the transaction; returns the driver's cursor."""
-        return self._execute(sql, params)
+    def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None, *,
+                expect_rows: int | None = None) -> Any:
+        """Run one statement in the transaction; returns the driver's cursor.
+
+        ``expect_rows=n`` requires the statement to match exactly ``n`` rows (the
+        rows it changed, or returned for a SELECT / ``RETURNING``): fewer raise
+        ``RecordNotFound``, more ``TooManyRows``, and the transaction cannot commit.
+        """
+        expected = expected_rows(expect_rows)
+        cursor = self._execute(sql, params, expected is not None)
+        if expected is not None:
+            self._require_rows(expected, cursor, sql)
+        return cursor
 
 
 class AsyncFencedTransaction(_TxBase):
@@ -480,14 +686,46 @@ class AsyncFencedTransaction(_TxBase):
     ``await cursor.fetchone()``."""
 
     def __init__(self, connection: Any, plan: FencePlan, dialect: str,
-                 execute: Callable[[str, Any], Awaitable[Any]]) -> None:
+                 execute: Callable[[str, Any, bool], Awaitable[Any]]) -> None:
         super().__init__(connection, plan, dialect)
         self._execute = execute
 
-    async def execute(self, sql: str,
-                      params: Sequence[Any] | Mapping[str, Any] | None = None) -> Any:
-        """Run one statement in the transaction; returns an async cursor."""
-        return await self._execute(sql, params)
+    async def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] | None = None, *,
+                      expect_rows: int | None = None) -> Any:
+        """Run one statement in the transaction; returns an async cursor (``expect_rows``: as
+        ``FencedTransaction.execute``)."""
+        expected = expected_rows(expect_rows)
+        cursor = await self._execute(sql, params, expected is not None)
+        if expected is not None:
+            self._require_rows(expected, cursor, sql)
+        return cursor
+
+
+def expected_rows(value: object) -> int | None:
+    """``expect_rows`` validated: None or a row count."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        msg = f"expect_rows must be a row count (an int >= 0) or None, got {value!r}"
+        raise ConfigurationError(msg)
+    return value
+
+
+def matched_rows(cursor: Any) -> int:
+    """Rows a statement returned (if it returns rows) or changed, from a ``counted`` cursor."""
+    matched = getattr(cursor, "matched", None)
+    return int(cursor.rowcount if matched is None else matched)
+
+
+def row_count_error(expected: int, actual: int, sql: str) -> StoreError:
+    """``RecordNotFound`` for fewer rows than expected, ``TooManyRows`` for more."""
+    statement = " ".join(sql.split())
+    statement = statement if len(statement) <= 200 else statement[:199] + "\u2026"
+    plural = "" if expected == 1 else "s"
+    msg = f"expected {expected} row{plural}, the statement matched {actual}: {statement}"
+    if actual < expected:
+        return RecordNotFound(msg, expected=expected, actual=actual)
+    return TooManyRows(msg, expected=expected, actual=actual)
 
 
 # --- the flow --------------------------------------------------------------------------
@@ -539,19 +777,29 @@ def _raise(error: BaseException, cause: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def fenced_flow(session: AbstractContextManager[Session], tokens: Mapping[str, int],
+def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
                 intent: IntentRecord | None, detail: str | None) -> Iterator[FencedTransaction]:
-    """Fence, run the tool, record and audit, commit; on failure roll back and audit outside."""
-    plan = FencePlan.build(tokens, intent, detail)
+    """Fence, run the tool, record and audit, commit; on failure roll back and audit outside.
+
+    With a lease, it must still be held right before the commit is sent
+    (``LockLost`` otherwise). It is not checked at entry: a holder that paused
+    before its write meets the fence there, the data tier's own refusal.
+    """
+    plan = FencePlan.build(source, intent, detail)
+    committing = False
     with session as s:
         try:
             if plan.problem is not None:
                 raise plan.problem
             tx = s.enter(plan)
             yield tx
+            require_held(plan.lease)
+            committing = True
             s.finish(tx, plan.entry("accepted", "applied", tx.detail))
         except BaseException as raised:
             error = s.abort(raised)
+            if not committing:
+                error = _lost_meanwhile(plan.lease, error)
             entry, status = plan.failure_entry(error)
             try:
                 s.record_failure(plan, entry, status)
@@ -565,19 +813,24 @@ def fenced_flow(session: AbstractContextManager[Session], tokens: Mapping[str, i
 
 @contextlib.asynccontextmanager
 async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
-                       tokens: Mapping[str, int], intent: IntentRecord | None,
+                       source: FenceSource, intent: IntentRecord | None,
                        detail: str | None) -> AsyncIterator[AsyncFencedTransaction]:
     """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``."""
-    plan = FencePlan.build(tokens, intent, detail)
+    plan = FencePlan.build(source, intent, detail)
+    committing = False
     async with session as s:
         try:
             if plan.problem is not None:
                 raise plan.problem
             tx = await s.enter(plan)
             yield tx
+            require_held(plan.lease)
+            committing = True
             await s.finish(tx, plan.entry("accepted", "applied", tx.detail))
         except BaseException as raised:
             error = await s.abort(raised)
+            if not committing:
+                error = _lost_meanwhile(plan.lease, error)
             entry, status = plan.failure_entry(error)
             try:
                 await s.record_failure(plan, entry, status)
@@ -682,7 +935,7 @@ class GuardedStore(Protocol):
 
     def begin_intent(self, record: IntentRecord) -> Begun | Replay: ...
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> AbstractContextManager[FencedTransaction]: ...
 
     def audit(self, entry: AuditEntry) -> AuditEntry: ...
@@ -714,7 +967,7 @@ class AsyncGuardedStore(Protocol):
 
     async def begin_intent(self, record: IntentRecord) -> Begun | Replay: ...
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> AbstractAsyncContextManager[AsyncFencedTransaction]: ...
 
     async def audit(self, entry: AuditEntry) -> AuditEntry: ...

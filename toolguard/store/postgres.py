@@ -15,6 +15,14 @@ rollback, in a transaction of its own) the same way.
 Connections are autocommit; a fenced write opens its own transaction. With
 ``schema=...`` every pooled connection uses that schema alone as its
 ``search_path`` (handy for tests and for several installs in one database).
+
+A holder stopped inside its fenced transaction keeps its fence rows locked;
+since schema version 3 the next holder, whose token for the key is newer, ends
+that transaction once the stopped holder's lease is gone (see
+``toolguard/sql/README.md``: it needs the same role for every client, or
+``pg_signal_backend``). The stopped holder's attempt then fails when it wakes:
+``LockLost`` when it passed its lease to ``fenced()``, else
+``BackendUnavailable``; audited once, its intent not applied.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, cast
@@ -50,6 +58,7 @@ from toolguard.store.base import (
     Begun,
     FencedTransaction,
     FencePlan,
+    FenceSource,
     IntentRecord,
     IntentStatus,
     Migration,
@@ -84,7 +93,8 @@ ENTER = ("SELECT applied, result FROM toolguard_enter("
          "%s::text[], %s::bigint[], %s::text, %s::text, %s::text, %s::text, %s::text, %s::text[])")
 #: One message (client-side binding): open the transaction and fence it.
 ENTER_TX = "BEGIN; " + ENTER
-APPLY = "SELECT toolguard_apply(%s::text, %s::jsonb, %s::jsonb)"
+#: ``json``, not ``jsonb``: the result's text is kept exactly (NUL, key order, 1e16...).
+APPLY = "SELECT toolguard_record(%s::text, %s::json, %s::jsonb)"
 _AUDIT_VALUES = ("%s, %s, %s, %s, %s, %s, %s, %s::text[], %s::jsonb, %s::jsonb, %s, "
                  "%s::double precision, %s::integer")
 _AUDIT_INTO = f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) VALUES ({_AUDIT_VALUES})"
@@ -337,7 +347,8 @@ class _Session:
         #: ``abort`` left the ROLLBACK to ``record_failure``, to send it with the audit row.
         self.rollback_pending = False
 
-    def _execute(self, query: str, params: Any) -> psycopg.Cursor[Any]:
+    def _execute(self, query: str, params: Any, counted: bool = False) -> psycopg.Cursor[Any]:
+        # ``counted``: a psycopg cursor's ``rowcount`` already counts returned or changed rows.
         try:
             return self.conn.execute(cast(Any, query), params)
         except psycopg.Error as error:
@@ -489,10 +500,14 @@ class PostgresStore(_PgBase):
                 if session.rollback_pending:
                     session.settle()
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
-        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing."""
-        return fenced_flow(self._session(), tokens, intent, detail)
+        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing.
+
+        ``lease``: a ``Lease`` (checked right before the commit: ``LockLost`` if it was lost
+        or released meanwhile) or a mapping of key to token (no such check).
+        """
+        return fenced_flow(self._session(), lease, intent, detail)
 
     def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
@@ -565,7 +580,8 @@ class _AsyncSession:
         self.tx: AsyncFencedTransaction | None = None
         self.rollback_pending = False
 
-    async def _execute(self, query: str, params: Any) -> psycopg.AsyncCursor[Any]:
+    async def _execute(self, query: str, params: Any,
+                       counted: bool = False) -> psycopg.AsyncCursor[Any]:
         try:
             return await self.conn.execute(cast(Any, query), params)
         except psycopg.Error as error:
@@ -634,8 +650,11 @@ class AsyncPostgresStore(_PgBase):
     """The asyncio guarded store on PostgreSQL; the pool opens on first use."""
 
     def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
-                 max_size: int = 10, timeout_s: float = 10.0) -> None:
+                 max_size: int = 10, timeout_s: float = 10.0, install: bool = False) -> None:
         super().__init__(url, schema)
+        #: ``install=True``: the schema is installed (or upgraded) before the first operation.
+        self._install_pending = install
+        self._install_lock = asyncio.Lock()
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
             kwargs={"autocommit": True}, configure=self._configure,
@@ -660,10 +679,25 @@ class AsyncPostgresStore(_PgBase):
         with contextlib.suppress(Exception):
             await self._pool.check()
 
+    async def _ready(self) -> None:
+        """Run the install ``install=True`` asked for, once (retried by the next call if it fails)."""
+        if not self._install_pending:
+            return
+        async with self._install_lock:
+            if self._install_pending:
+                await self._install(None)
+
     @contextlib.asynccontextmanager
     async def connection(self, timeout: float | None = None
                          ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A pooled autocommit async connection, errors mapped to toolguard's."""
+        await self._ready()
+        async with self._pooled(timeout) as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def _pooled(self, timeout: float | None = None
+                      ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         if not self._opened:
             await self._pool.open(wait=False)
             self._opened = True
@@ -680,8 +714,16 @@ class AsyncPostgresStore(_PgBase):
 
     async def install(self, steps: Sequence[Migration] | None = None) -> int:
         """Create or upgrade the schema; idempotent, serialized by an advisory lock."""
-        steps = tuple(steps) if steps is not None else migrations(DIALECT)
-        async with self.connection() as conn, conn.transaction():
+        async with self._install_lock:
+            return await self._install(steps)
+
+    async def _install(self, steps: Sequence[Migration] | None) -> int:
+        version = await self._migrate(tuple(steps) if steps is not None else migrations(DIALECT))
+        self._install_pending = False
+        return version
+
+    async def _migrate(self, steps: Sequence[Migration]) -> int:
+        async with self._pooled() as conn, conn.transaction():
             await conn.execute(INSTALL_LOCK)
             create = self._create_schema()
             if create is not None:
@@ -724,11 +766,11 @@ class AsyncPostgresStore(_PgBase):
                 if session.rollback_pending:
                     await asyncio.shield(session.settle())
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None
                ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
-        """``async with store.fenced(tokens, intent) as tx``: as ``PostgresStore.fenced``."""
-        return afenced_flow(self._session(), tokens, intent, detail)
+        """``async with store.fenced(lease, intent) as tx``: as ``PostgresStore.fenced``."""
+        return afenced_flow(self._session(), lease, intent, detail)
 
     async def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""

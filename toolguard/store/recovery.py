@@ -17,6 +17,19 @@ was rolled back, so ``run_fenced`` re-seeds and retries once with a fresh
 lease (the body runs again and re-reads inside its transaction). A lost
 lease means someone newer may have written: that rejection stands.
 
+Callers who hold a lease and call ``store.fenced(lease, intent)`` themselves
+("acquire now, write later") get the same step from ``reseed_if_regressed``:
+
+>>> for attempt in (1, 2):
+...     with locks.acquire([key]) as lease:
+...         try:
+...             with store.fenced(lease, intent) as tx:
+...                 ...
+...             break
+...         except StaleFencingToken as stale:
+...             if attempt == 2 or not reseed_if_regressed(locks, store, lease, stale):
+...                 raise
+
 Re-seeding never weakens safety: the store keeps rejecting every token below
 its high-water mark whatever the lock server does; the floor only lets new
 grants clear it.
@@ -47,9 +60,11 @@ if TYPE_CHECKING:
 __all__ = [
     "Outcome",
     "areseed",
+    "areseed_if_regressed",
     "arun_fenced",
     "lock_regressed",
     "reseed",
+    "reseed_if_regressed",
     "run_fenced",
 ]
 
@@ -127,12 +142,38 @@ async def areseed(locks: AsyncLockManager, store: AsyncGuardedStore,
     return floors
 
 
-def _reseed_and_retry(attempt: int, enabled: bool, lease: Lease, stale: StaleFencingToken) -> bool:
-    """Pure: a first attempt refused under a lease still held means the lock server regressed."""
-    if attempt > 1 or not enabled or not lock_regressed(lease, stale):
+def _regressed(lease: Lease, stale: StaleFencingToken) -> bool:
+    """Pure: a refusal under a lease still held means the lock server regressed."""
+    if not lock_regressed(lease, stale):
         return False
     log.warning("lock server issued %s for %s below the store's %s: re-seeding",
                 stale.token, stale.key, stale.current)
+    return True
+
+
+def reseed_if_regressed(locks: LockManager, store: GuardedStore, lease: Lease,
+                        stale: StaleFencingToken) -> bool:
+    """After ``store.fenced(lease, ...)`` raised ``stale``: re-seed if the lock server regressed.
+
+    True when ``stale`` refused a token of ``lease`` while the lease is still
+    held (see ``lock_regressed``): the lock server's floors for the lease's
+    keys are then raised to the store's high-water marks, and the caller should
+    acquire again and retry once (the write was rolled back). False when the
+    refusal stands (the lease was lost: someone newer may have written); then
+    nothing is changed.
+    """
+    if not _regressed(lease, stale):
+        return False
+    reseed(locks, store, lease.keys)
+    return True
+
+
+async def areseed_if_regressed(locks: AsyncLockManager, store: AsyncGuardedStore, lease: Lease,
+                               stale: StaleFencingToken) -> bool:
+    """The asyncio twin of ``reseed_if_regressed``."""
+    if not _regressed(lease, stale):
+        return False
+    await areseed(locks, store, lease.keys)
     return True
 
 
@@ -160,8 +201,7 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
     for attempt in (1, 2):
         lease = locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s)
         try:
-            with store.fenced(lease.tokens, intent) as tx:
-                tx.lease = lease
+            with store.fenced(lease, intent) as tx:
                 value = body(tx)
                 if not tx.recorded:
                     tx.record(value)
@@ -170,9 +210,9 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
         except StaleFencingToken as stale:
-            if not _reseed_and_retry(attempt, reseed_on_regression, lease, stale):
+            if attempt > 1 or not reseed_on_regression or \
+                    not reseed_if_regressed(locks, store, lease, stale):
                 raise
-            reseed(locks, store, ordered)
         finally:
             with contextlib.suppress(Exception):
                 lease.release()
@@ -190,8 +230,7 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
     for attempt in (1, 2):
         lease = await locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s)
         try:
-            async with store.fenced(lease.tokens, intent) as tx:
-                tx.lease = lease
+            async with store.fenced(lease, intent) as tx:
                 value = await body(tx)
                 if not tx.recorded:
                     tx.record(value)
@@ -200,9 +239,9 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
         except StaleFencingToken as stale:
-            if not _reseed_and_retry(attempt, reseed_on_regression, lease, stale):
+            if attempt > 1 or not reseed_on_regression or \
+                    not await areseed_if_regressed(locks, store, lease, stale):
                 raise
-            await areseed(locks, store, ordered)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(lease.arelease())

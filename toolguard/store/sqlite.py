@@ -8,10 +8,16 @@ statuses mirror ``toolguard/sql/001_initial.sql`` (see ``sql/sqlite``).
 
 Keep fenced bodies short: while one runs, every other writer of the file
 waits, including a SQLite lock backend that shares the file (the embedded
-default) and its lease renewals. For the same reason a fenced body must not
-call another writing operation of the store or of such a lock backend itself:
-that call waits for the body's own write lock until the busy timeout and
-fails with ``BackendUnavailable``.
+default) and its lease renewals. A holder whose process is stopped inside its
+fenced transaction therefore blocks every writer until it wakes or dies:
+nothing can end another process's SQLite transaction. A blocked writer gives up
+after ``busy_timeout_ms`` (``BackendUnavailable``), and the stopped holder's
+late commit is refused by the lease check of ``fenced(lease, ...)``
+(``LockLost``); no other write could land meanwhile, so nothing is lost, but
+the wait is not bounded (PostgreSQL bounds it: ``toolguard/sql/README.md``).
+For the same reason a fenced body must not call another writing operation of
+the store or of such a lock backend itself: that call waits for the body's own
+write lock until the busy timeout and fails with ``BackendUnavailable``.
 
 The asyncio twin runs each step in a worker thread; a fenced write keeps one
 connection and one worker thread for its whole life, so its statements run in
@@ -29,7 +35,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -55,6 +61,7 @@ from toolguard.store.base import (
     Begun,
     FencedTransaction,
     FencePlan,
+    FenceSource,
     IntentRecord,
     IntentStatus,
     Migration,
@@ -247,11 +254,13 @@ class _Session:
         self.conn = conn
         self.tx: FencedTransaction | AsyncFencedTransaction | None = None
 
-    def execute(self, query: str, params: Any) -> sqlite3.Cursor:
+    def execute(self, query: str, params: Any, counted: bool = False) -> sqlite3.Cursor | Fetched:
+        """One statement; ``counted``: its rows fetched at once, so that they can be counted
+        (sqlite3 counts neither a SELECT's rows nor ``RETURNING`` rows before they are read)."""
         try:
-            if params is None:
-                return self.conn.execute(query)
-            return self.conn.execute(qmark(query), params)
+            conn = self.conn
+            cursor = conn.execute(query) if params is None else conn.execute(qmark(query), params)
+            return Fetched(cursor) if counted else cursor
         except sqlite3.Error as error:
             mapped = translate(error)
             if mapped is error:
@@ -423,10 +432,14 @@ class SqliteStore:
         with self.connection() as conn:
             yield _Session(self, conn)
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
-        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing."""
-        return fenced_flow(self._session(), tokens, intent, detail)
+        """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing.
+
+        ``lease``: a ``Lease`` (checked right before the commit: ``LockLost`` if it was lost
+        or released meanwhile) or a mapping of key to token (no such check).
+        """
+        return fenced_flow(self._session(), lease, intent, detail)
 
     def _record_failure(self, conn: sqlite3.Connection, plan: FencePlan, entry: AuditEntry,
                         status: IntentStatus | None) -> None:
@@ -540,30 +553,60 @@ class _Worker:
         self.executor.shutdown(wait=False)
 
 
-class _Rows:
-    """An async cursor over rows already fetched in the worker thread."""
+class _RowsBase:
+    """A statement's rows, all fetched at once; ``matched`` counts them (or the rows changed)."""
 
     def __init__(self, cursor: sqlite3.Cursor) -> None:
         self.description = cursor.description
-        self.rowcount = cursor.rowcount
-        self.lastrowid = cursor.lastrowid
         self._rows = cursor.fetchall() if cursor.description else []
+        self.rowcount = cursor.rowcount  # read after the fetch: RETURNING rows count only then
+        self.lastrowid = cursor.lastrowid
+        self.matched = len(self._rows) if cursor.description else cursor.rowcount
         self._at = 0
 
-    async def fetchone(self) -> Any:
+    def _one(self) -> Any:
         if self._at >= len(self._rows):
             return None
         self._at += 1
         return self._rows[self._at - 1]
 
-    async def fetchall(self) -> list[Any]:
+    def _all(self) -> list[Any]:
         rows, self._at = self._rows[self._at:], len(self._rows)
         return rows
 
-    async def fetchmany(self, size: int = 1) -> list[Any]:
+    def _many(self, size: int) -> list[Any]:
         rows = self._rows[self._at:self._at + size]
         self._at += len(rows)
         return rows
+
+
+class Fetched(_RowsBase):
+    """A sync cursor over rows already fetched (``tx.execute(..., expect_rows=n)``)."""
+
+    def fetchone(self) -> Any:
+        return self._one()
+
+    def fetchall(self) -> list[Any]:
+        return self._all()
+
+    def fetchmany(self, size: int = 1) -> list[Any]:
+        return self._many(size)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._all())
+
+
+class _Rows(_RowsBase):
+    """An async cursor over rows already fetched in the worker thread."""
+
+    async def fetchone(self) -> Any:
+        return self._one()
+
+    async def fetchall(self) -> list[Any]:
+        return self._all()
+
+    async def fetchmany(self, size: int = 1) -> list[Any]:
+        return self._many(size)
 
 
 class _AsyncSession:
@@ -574,9 +617,12 @@ class _AsyncSession:
         self.worker = worker
 
     def _execute_rows(self, query: str, params: Any) -> _Rows:
-        return _Rows(self.sync.execute(query, params))
+        cursor = self.sync.execute(query, params)
+        assert isinstance(cursor, sqlite3.Cursor)
+        return _Rows(cursor)
 
-    async def _execute(self, query: str, params: Any) -> _Rows:
+    async def _execute(self, query: str, params: Any, counted: bool = False) -> _Rows:
+        # Always counted: every row is fetched in the worker thread anyway.
         return await self.worker.run(self._execute_rows, query, params)
 
     async def enter(self, plan: FencePlan) -> AsyncFencedTransaction:
@@ -601,27 +647,48 @@ class AsyncSqliteStore:
 
     dialect = DIALECT
 
-    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, install: bool = False,
+                 **options: Any) -> None:
         self.sync = SqliteStore(path, **options)
         self.path = self.sync.path
+        #: ``install=True``: the schema is installed (or upgraded) before the first operation.
+        self._install_pending = install
+        self._install_lock = asyncio.Lock()
+
+    async def _ready(self) -> None:
+        """Run the install ``install=True`` asked for, once (retried by the next call if it fails)."""
+        if not self._install_pending:
+            return
+        async with self._install_lock:
+            if self._install_pending:
+                await asyncio.to_thread(self.sync.install)
+                self._install_pending = False
+
+    async def _call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        await self._ready()
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"AsyncSqliteStore({self.path!r})"
 
     async def install(self, steps: Sequence[Migration] | None = None) -> int:
         """Create or upgrade the schema; idempotent."""
-        return await asyncio.to_thread(self.sync.install, steps)
+        async with self._install_lock:
+            version = await asyncio.to_thread(self.sync.install, steps)
+            self._install_pending = False
+        return version
 
     async def schema_version(self) -> int:
         """The installed schema version (0: not installed)."""
-        return await asyncio.to_thread(self.sync.schema_version)
+        return await self._call(self.sync.schema_version)
 
     async def begin_intent(self, record: IntentRecord) -> Begun | Replay:
         """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
-        return await asyncio.to_thread(self.sync.begin_intent, record)
+        return await self._call(self.sync.begin_intent, record)
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[_AsyncSession]:
+        await self._ready()
         worker = _Worker()
         conn = await worker.run(self.sync._connections.take)
         try:
@@ -631,40 +698,41 @@ class AsyncSqliteStore:
             worker.executor.submit(self.sync._connections.give, conn)
             worker.close()
 
-    def fenced(self, tokens: Mapping[str, int], intent: IntentRecord | None = None, *,
+    def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None
                ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
-        """``async with store.fenced(tokens, intent) as tx``: as ``SqliteStore.fenced``."""
-        return afenced_flow(self._session(), tokens, intent, detail)
+        """``async with store.fenced(lease, intent) as tx``: as ``SqliteStore.fenced``."""
+        return afenced_flow(self._session(), lease, intent, detail)
 
     async def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
-        return await asyncio.to_thread(self.sync.audit, entry)
+        return await self._call(self.sync.audit, entry)
 
     async def mark_unknown(self, idempotency_key: str,
                            record: IntentRecord | None = None) -> bool:
         """Record that a call was cancelled mid-flight (see ``SqliteStore.mark_unknown``)."""
-        return await asyncio.to_thread(self.sync.mark_unknown, idempotency_key, record)
+        return await self._call(self.sync.mark_unknown, idempotency_key, record)
 
     async def has_applied(self, tool: str, resource_key: str, workflow: str | None = None) -> bool:
         """Whether ``tool`` was applied on ``resource_key`` (in ``workflow``, if given)."""
-        return await asyncio.to_thread(self.sync.has_applied, tool, resource_key, workflow)
+        return await self._call(self.sync.has_applied, tool, resource_key, workflow)
 
     async def high_water(self, key: str) -> int:
         """The greatest token accepted for ``key`` (0 if none)."""
-        return await asyncio.to_thread(self.sync.high_water, key)
+        return await self._call(self.sync.high_water, key)
 
     async def high_waters(self, keys: Iterable[str]) -> dict[str, int]:
         """High-water marks of several keys in one query (absent keys are omitted)."""
-        return await asyncio.to_thread(self.sync.high_waters, list(keys))
+        return await self._call(self.sync.high_waters, list(keys))
 
     async def query_audit(self, **filters: Any) -> list[AuditEntry]:
         """Audit rows matching ``filters`` (see ``AuditQuery``), newest first by default."""
-        return await asyncio.to_thread(functools.partial(self.sync.query_audit, **filters))
+        return await self._call(functools.partial(self.sync.query_audit, **filters))
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[sqlite3.Connection]:
         """A raw autocommit connection; use it from ``asyncio.to_thread`` calls only."""
+        await self._ready()
         conn = await asyncio.to_thread(self.sync._connections.take)
         try:
             yield conn
