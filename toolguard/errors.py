@@ -19,14 +19,17 @@ __all__ = [
     "BudgetExceeded",
     "ConfigurationError",
     "DuplicateIntent",
+    "GuardMisconfigured",
     "IdempotencyConflict",
     "InFlightLimited",
     "IntentRejected",
     "InvalidArguments",
     "InvalidFencingToken",
+    "InvalidIntent",
     "LockError",
     "LockLost",
     "LockTimeout",
+    "MissingIdentity",
     "NotAuthorized",
     "NotOwned",
     "OutOfOrder",
@@ -42,6 +45,7 @@ __all__ = [
     "ToolGuardError",
     "UnknownApproval",
     "UnknownTool",
+    "UnknownToolWarning",
     "is_control_flow",
 ]
 
@@ -65,6 +69,19 @@ class ConfigurationError(ToolGuardError):
     """Settings or URLs that cannot work (unknown scheme, TTL too small...)."""
 
     reason = "configuration"
+
+
+class GuardMisconfigured(ConfigurationError):
+    """The guard, a tool or an adapter is wired wrongly (e.g. no asyncio backends on the
+    async path, a sync tool body on the async path).
+
+    The guard audits it and then raises it to the developer: it is never turned into
+    a refusal the model reads, since no retry by the model can fix it.
+    """
+
+
+class UnknownToolWarning(UserWarning):
+    """A tool was registered with a guard whose policy does not name it."""
 
 
 class BackendUnavailable(ToolGuardError):
@@ -220,12 +237,24 @@ class IntentRejected(ToolGuardError):
     reason = "rejected"
 
 
+class InvalidIntent(IntentRejected):
+    """The call's envelope (id, name, agent, workflow identity) breaks the envelope rules."""
+
+    reason = "invalid_intent"
+
+
 class InvalidArguments(IntentRejected):
     reason = "invalid_arguments"
 
 
 class NotAuthorized(IntentRejected):
     reason = "not_authorized"
+
+
+class MissingIdentity(NotAuthorized):
+    """The call carries no agent identity: refused, never guessed."""
+
+    reason = "missing_identity"
 
 
 class UnknownTool(IntentRejected):

@@ -88,10 +88,11 @@ def test_a_verdict_never_raises() -> None:
     from toolguard.policies import Policy
 
     policy = Policy.from_dict({"version": 1, "tools": {"t": {"locks": ["k:{id}"]}}})
-    assert verdict(policy, "t", None, {"id": 1}).outcome == ALLOWED
-    assert verdict(policy, "t", None, {}).outcome == "invalid_arguments"  # no key could be rendered
-    assert verdict(policy, "nope", None, {}).outcome == "unknown_tool"
-    assert verdict(policy, "t", None, {"id": "x" * 10_000}).outcome == "invalid_arguments"  # limits
+    assert verdict(policy, "t", "a", {"id": 1}).outcome == ALLOWED
+    assert verdict(policy, "t", None, {"id": 1}).outcome == "missing_identity"  # never guessed
+    assert verdict(policy, "t", "a", {}).outcome == "invalid_arguments"  # no key could be rendered
+    assert verdict(policy, "nope", "a", {}).outcome == "unknown_tool"
+    assert verdict(policy, "t", "a", {"id": "x" * 10_000}).outcome == "invalid_arguments"  # limits
 
 
 def test_cli(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from toolguard.errors import PolicyProblems
-from toolguard.intent import DEFAULT_LIMITS, IdempotencyKeyFn, Limits, canonical_json
+from toolguard.intent import DEFAULT_LIMITS, IdempotencyKeyFn, IdempotencyScope, Limits, canonical_json
 from toolguard.policies import controls
 from toolguard.policies.controls import ApprovalSetting, Mode, QuotaList
 from toolguard.policies.paths import FieldPath
@@ -50,7 +50,7 @@ __all__ = [
     "UnknownToolMode",
 ]
 
-#: In ``agents:``, stands for every agent (and for calls without an agent identity).
+#: In ``agents:``, stands for every agent. A call without an agent identity is never admitted.
 ANY_AGENT = "*"
 
 UnknownToolMode = Literal["deny", "allow"]
@@ -199,7 +199,10 @@ class ToolPolicy(BaseModel):
     ``fenced: false`` marks a side effect that cannot check fencing tokens (an
     external API): it relies on its idempotency key, and its lock only avoids
     wasted concurrent calls. ``read_only: true`` marks a tool that changes
-    nothing: it needs no lock.
+    nothing: it needs no lock. ``idempotency_scope`` says how far a tool-call
+    id is unique for the default idempotency key: ``thread`` (the thread and
+    agent/node path) or ``task`` (one LangGraph task), see
+    ``toolguard.intent.default_idempotency_key``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -215,6 +218,7 @@ class ToolPolicy(BaseModel):
     redact: tuple[FieldPath, ...] = ()
     ttl_ms: PositiveInt = 10_000
     wait_timeout_s: NonNegativeFloat = 5.0
+    idempotency_scope: IdempotencyScope = "thread"
     limits: Limits = DEFAULT_LIMITS
     approval: ApprovalSetting = None
     quotas: QuotaList = ()
@@ -280,12 +284,14 @@ class Defaults(BaseModel):
     on_unknown_tool: UnknownToolMode = "deny"
     agents: tuple[str, ...] = (ANY_AGENT,)
     fenced: bool = True
+    idempotency_scope: IdempotencyScope = "thread"
     limits: Limits = DEFAULT_LIMITS
     mode: Mode = "enforce"
     quotas: QuotaList = ()
 
 
-_INHERITED = ("ttl_ms", "wait_timeout_s", "after_wait_s", "agents", "fenced", "mode")
+_INHERITED = ("ttl_ms", "wait_timeout_s", "after_wait_s", "agents", "fenced", "idempotency_scope",
+              "mode")
 
 
 class Policy(BaseModel):
@@ -314,7 +320,8 @@ class Policy(BaseModel):
         """Build from plain data (e.g. parsed YAML/JSON); problems raise ``PolicyProblems``."""
         from toolguard.policies.loader import build_policy
 
-        locations = {(): Location(source)} if source else None
+        locations: dict[tuple[str | int, ...], Location] | None = (
+            {(): Location(source)} if source else None)
         return build_policy(data, locations, key_fn=key_fn)
 
     @field_validator("tools", mode="before")
