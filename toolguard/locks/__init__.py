@@ -71,8 +71,10 @@ def open_backend(url: str, **options: Any) -> LockBackend:
         return _construct(RedisBackend, scheme, url, options)
     if scheme in REDIS_HA_SCHEMES:
         require("redis", "the Redis Cluster/Sentinel lock backend")
+        from toolguard.locks.redis import RedisBackend
         from toolguard.locks.redis_ha import open_sync
 
+        _check_options(RedisBackend, scheme, options)  # the same options as one Redis server
         return open_sync(url, **options)
     if scheme == "sqlite":
         from toolguard.locks.sqlite import SqliteBackend
@@ -94,6 +96,12 @@ def open_backend(url: str, **options: Any) -> LockBackend:
 
 def _construct(cls: type[T], scheme: str, target: str, options: dict[str, Any]) -> T:
     """``cls(target, **options)``, with unknown options reported as configuration errors."""
+    _check_options(cls, scheme, options)
+    return cls(target, **options)
+
+
+def _check_options(cls: type[Any], scheme: str, options: dict[str, Any]) -> None:
+    """Raise ``ConfigurationError`` naming every option ``cls`` does not take."""
     parameters = list(inspect.signature(cls).parameters.values())[1:]
     known = sorted(p.name for p in parameters
                    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
@@ -103,7 +111,6 @@ def _construct(cls: type[T], scheme: str, target: str, options: dict[str, Any]) 
                f"{', '.join(map(repr, unknown))} for {scheme}:// URLs; the backend takes "
                f"{', '.join(known)}, and every manager {', '.join(sorted(_MANAGER_OPTIONS))}")
         raise ConfigurationError(msg)
-    return cls(target, **options)
 
 
 def _async_backend(url: str, sync: LockBackend, **options: Any) -> AsyncLockBackend:
