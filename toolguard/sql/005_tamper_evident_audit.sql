@@ -25,9 +25,9 @@
 --
 -- The canonical text of a row (the same expression is in toolguard/store/chain.py,
 -- which the verifier uses, so a replaced function here cannot hide a change):
---   jsonb_build_array('toolguard.audit.1', id, at as UTC text with microseconds,
+--   json_build_array('toolguard.audit.1', id, at as UTC text with microseconds,
 --     agent, tool, intent_id, idempotency_key, workflow, decision, reason,
---     keys as a JSON array, tokens, args, detail,
+--     keys (a JSON array), tokens, args (as jsonb prints them: keys sorted), detail,
 --     duration_ms as the hex of its IEEE 754 bits (float8send), node_attempt,
 --     policy_version)::text
 -- Only built-in functions whose output does not depend on session settings.
@@ -44,10 +44,10 @@ ALTER TABLE toolguard_audit ADD COLUMN IF NOT EXISTS row_hash bytea;
 --      FROM toolguard_audit a;
 CREATE OR REPLACE FUNCTION toolguard_audit_canonical(a toolguard_audit) RETURNS text
 LANGUAGE sql STABLE PARALLEL SAFE AS $$
-    SELECT pg_catalog.jsonb_build_array('toolguard.audit.1'::text, a.id,
+    SELECT pg_catalog.json_build_array('toolguard.audit.1'::text, a.id,
         pg_catalog.to_char(a.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
         a.agent, a.tool, a.intent_id, a.idempotency_key, a.workflow, a.decision, a.reason,
-        pg_catalog.to_jsonb(a.keys), a.tokens, a.args, a.detail,
+        a.keys, a.tokens, a.args, a.detail,
         pg_catalog.encode(pg_catalog.float8send(a.duration_ms), 'hex'),
         a.node_attempt, a.policy_version)::text
 $$;
@@ -58,10 +58,10 @@ CREATE OR REPLACE FUNCTION toolguard_audit_row_hash() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     NEW.row_hash := pg_catalog.sha256(pg_catalog.convert_to(
-        pg_catalog.jsonb_build_array('toolguard.audit.1'::text, NEW.id,
+        pg_catalog.json_build_array('toolguard.audit.1'::text, NEW.id,
             pg_catalog.to_char(NEW.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
             NEW.agent, NEW.tool, NEW.intent_id, NEW.idempotency_key, NEW.workflow,
-            NEW.decision, NEW.reason, pg_catalog.to_jsonb(NEW.keys), NEW.tokens, NEW.args,
+            NEW.decision, NEW.reason, NEW.keys, NEW.tokens, NEW.args,
             NEW.detail, pg_catalog.encode(pg_catalog.float8send(NEW.duration_ms), 'hex'),
             NEW.node_attempt, NEW.policy_version)::text, 'UTF8'));
     RETURN NEW;

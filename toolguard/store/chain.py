@@ -82,15 +82,17 @@ def pg_canonical(row: str) -> str:
     Only built-in functions, schema-qualified, and none whose output depends on a
     session setting: ``at`` as UTC text with microseconds, ``duration_ms`` as the
     hex of its IEEE 754 bits (a float's text depends on ``extra_float_digits``),
-    JSON values as ``jsonb`` prints them (keys sorted, fixed spacing). The same
-    expression is in ``toolguard/sql/005_tamper_evident_audit.sql``.
+    ``keys`` as a JSON array, ``tokens`` and ``args`` as ``jsonb`` prints them (keys
+    sorted, fixed spacing). ``json_build_array`` rather than ``jsonb_build_array``:
+    the same text guarantees for less work in the trigger. The same expression is
+    in ``toolguard/sql/005_tamper_evident_audit.sql``.
     """
     r = row
     return (
-        f"pg_catalog.jsonb_build_array('{CANONICAL_TAG}'::text, {r}.id, "
+        f"pg_catalog.json_build_array('{CANONICAL_TAG}'::text, {r}.id, "
         f"pg_catalog.to_char({r}.at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), "
         f"{r}.agent, {r}.tool, {r}.intent_id, {r}.idempotency_key, {r}.workflow, "
-        f"{r}.decision, {r}.reason, pg_catalog.to_jsonb({r}.keys), {r}.tokens, {r}.args, "
+        f"{r}.decision, {r}.reason, {r}.keys, {r}.tokens, {r}.args, "
         f"{r}.detail, pg_catalog.encode(pg_catalog.float8send({r}.duration_ms), 'hex'), "
         f"{r}.node_attempt, {r}.policy_version)::text")
 
