@@ -10,7 +10,10 @@ binding (``ClientCursor``: the values are still passed as parameters and
 quoted by psycopg, never formatted into the SQL by hand), which costs less
 client CPU than pipeline mode for the same single round trip. A failed write
 sends its ``ROLLBACK`` together with the audit row (written after the
-rollback, in a transaction of its own) the same way.
+rollback, in a transaction of its own) the same way. Each audit row's hash is
+set by a trigger in the same ``INSERT`` (schema version 5): no round trip, and
+no lock shared between writers; sealing the log (``seal_audit``) happens apart
+from the calls (``toolguard.store.sealing``).
 
 Connections are autocommit; a fenced write opens its own transaction. With
 ``schema=...`` every pooled connection uses that schema alone as its
@@ -29,13 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar, cast
 
 import psycopg
 from psycopg import sql
@@ -80,7 +84,10 @@ __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
 log = logging.getLogger("toolguard.store")
 
-DIALECT = "postgresql"
+P = ParamSpec("P")
+T = TypeVar("T")
+
+DIALECT: Final = "postgresql"
 
 INSTALL_LOCK = "SELECT pg_advisory_xact_lock(hashtext('toolguard.install'))"
 VERSION_TABLE = """
@@ -862,11 +869,14 @@ class AsyncPostgresStore(_PgBase):
         return await self._batch(pg_export, path, before=before, through_seq=through_seq,
                                  drop=drop)
 
-    async def _batch(self, job: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _batch(self, job: Callable[Concatenate[psycopg.Connection[Any], P], T],
+                     *args: P.args, **kwargs: P.kwargs) -> T:
         await self._ready()
-        return await asyncio.to_thread(self._run_batch, job, *args, **kwargs)
+        run: Callable[[], T] = functools.partial(self._run_batch, job, *args, **kwargs)
+        return await asyncio.to_thread(run)
 
-    def _run_batch(self, job: Any, *args: Any, **kwargs: Any) -> Any:
+    def _run_batch(self, job: Callable[Concatenate[psycopg.Connection[Any], P], T],
+                   *args: P.args, **kwargs: P.kwargs) -> T:
         """``job(conn, ...)`` on a sync connection of its own (the pool is the event loop's)."""
         try:
             with psycopg.connect(self.url, autocommit=True, connect_timeout=10) as conn:
@@ -875,8 +885,7 @@ class AsyncPostgresStore(_PgBase):
                     conn.execute(statement)
                 return job(conn, *args, **kwargs)
         except psycopg.Error as error:
-            _raise_translated(error)
-            raise  # unreachable: _raise_translated always raises
+            raise translate(error) from error
 
     async def close(self) -> None:
         await self._pool.close()

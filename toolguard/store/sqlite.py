@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, TypeVar
 
 from toolguard.errors import (
     AuditAppendOnly,
@@ -98,7 +98,7 @@ log = logging.getLogger("toolguard.store")
 P = ParamSpec("P")
 T = TypeVar("T")
 
-DIALECT = "sqlite"
+DIALECT: Final = "sqlite"
 NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
 ROW_HASH_FUNCTION = "toolguard_audit_row_hash"
 
