@@ -639,8 +639,7 @@ def seal_command(
         typer.echo(json.dumps({"seals": result.seals, "rows": result.rows,
                                "head": {"seal": head.seq, "last_id": head.last_id,
                                         "hash": head.hash},
-                               "deferred": result.deferred,
-                               "mismatched": list(result.mismatched)}, indent=2))
+                               "deferred": result.deferred}, indent=2))
         return
     out = console()
     if result.rows:
@@ -655,9 +654,6 @@ def seal_command(
         out.print("nothing to seal: the audit log has no rows yet")
     if result.deferred:
         out.print(Text(result.deferred, style="yellow"))
-    if result.mismatched:
-        out.print(Text(f"{len(result.mismatched)} of these rows already differ from their own "
-                       f"row hash: `toolguard audit verify` lists them", style="bold red"))
     if head.seq:
         _print_anchor(out, head.hash, head.seq, head.last_id)
 

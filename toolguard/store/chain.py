@@ -233,8 +233,6 @@ class SealResult:
     head: ChainHead
     #: Why rows above ``head.last_id`` stayed unsealed (a writer's transaction still open), or None.
     deferred: str | None = None
-    #: Rows sealed whose content already differed from their own row hash (verify reports them).
-    mismatched: tuple[int, ...] = ()
 
 
 # --- verification ----------------------------------------------------------------------------

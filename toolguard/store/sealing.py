@@ -76,6 +76,7 @@ __all__ = ["MAX_SEAL_ROWS", "ChainIO", "PgChainIO", "SqliteChainIO", "check_anch
 #: Rows per seal (a seal stores 40 bytes per row) and per page read by the verifier.
 MAX_SEAL_ROWS = 10_000
 PAGE = 5_000
+SEAL_PAGE = 16
 
 
 class ChainIO(Protocol):
@@ -89,7 +90,11 @@ class ChainIO(Protocol):
 
     def seals(self, after_seq: int, limit: int) -> list[Seal]: ...
 
+    def seal_ends(self, after_seq: int) -> list[tuple[int, int]]: ...
+
     def rows(self, after_id: int, upto_id: int | None, limit: int) -> list[RowCheck]: ...
+
+    def seal_entries(self, after_id: int, upto_id: int, limit: int) -> list[tuple[int, bytes]]: ...
 
     def export_rows(self, after_id: int, upto_id: int) -> list[ExportRow]: ...
 
@@ -131,11 +136,15 @@ def _all_rows(io: ChainIO, after_id: int, upto_id: int | None) -> Iterator[RowCh
         after_id = page[-1].id
 
 
-def _all_seals(io: ChainIO, after_seq: int) -> Iterator[Seal]:
+def _all_seals(io: ChainIO, after_seq: int, through_seq: int | None = None) -> Iterator[Seal]:
+    """Seals after ``after_seq`` in ``seq`` order, a few at a time (each holds 40 bytes a row)."""
     while True:
-        page = io.seals(after_seq, 64)
-        yield from page
-        if len(page) < 64:
+        page = io.seals(after_seq, SEAL_PAGE)
+        for seal in page:
+            if through_seq is not None and seal.seq > through_seq:
+                return
+            yield seal
+        if len(page) < SEAL_PAGE:
             return
         after_seq = page[-1].seq
 
@@ -144,46 +153,36 @@ def _all_seals(io: ChainIO, after_seq: int) -> Iterator[Seal]:
 
 
 def seal_rows(io: ChainIO, head: ChainHead, upto_id: int, max_rows: int,
-              now: datetime) -> tuple[list[Seal], list[int]]:
+              now: datetime) -> list[Seal]:
     """Seals over the rows in ``(head.last_id, upto_id]``, ``max_rows`` at most each, inserted.
 
-    A seal records each row's stored hash (the commitment made at insert); a row without
-    one (written before schema 5, or with the trigger off) gets the hash of its content now.
-    Returns the new seals and the ids whose content already differs from their stored hash.
+    A seal records each row's stored hash (the commitment made at insert; whether the
+    content still matches it is for ``verify`` to say); a row without one (written before
+    schema 5, or with the trigger off) gets the hash of its content now.
     """
     made: list[Seal] = []
-    mismatched: list[int] = []
     while head.last_id < upto_id:
-        rows = io.rows(head.last_id, upto_id, max_rows)
-        if not rows:
+        entries = io.seal_entries(head.last_id, upto_id, max_rows)
+        if not entries:
             break
-        entries = []
-        for row in rows:
-            digest = row.stored if row.stored is not None else row.computed
-            if digest is None:  # unreadable and unhashed: seal what it is, verify reports it
-                digest = hashlib.sha256(b"unreadable").digest()
-            if row.stored is not None and row.stored != row.computed:
-                mismatched.append(row.id)
-            entries.append((row.id, digest))
         seal = build_seal(head, entries, now)
         io.insert_seal(seal)
         made.append(seal)
         head = seal.head
-    return made, mismatched
+    return made
 
 
 def seal_log(io: ChainIO, upto: Callable[[ChainHead], tuple[int, str | None]], *,
              max_rows: int = MAX_SEAL_ROWS) -> SealResult:
     """Seal what ``upto(head)`` allows (the highest id that may be sealed, and why not more)."""
-    if not isinstance(max_rows, int) or max_rows < 1:
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
         msg = f"max_rows must be a positive integer, got {max_rows!r}"
-        raise StoreError(msg, reason="invalid_query")
+        raise ConfigurationError(msg)
     head = io.head(start_of(io.retention()))
     limit, deferred = upto(head)
-    seals, mismatched = seal_rows(io, head, limit, max_rows, datetime.now(UTC))
+    seals = seal_rows(io, head, limit, max_rows, datetime.now(UTC))
     rows = sum(s.row_count for s in seals)
-    return SealResult(len(seals), rows, seals[-1].head if seals else head, deferred,
-                      tuple(mismatched))
+    return SealResult(len(seals), rows, seals[-1].head if seals else head, deferred)
 
 
 # --- verify ---------------------------------------------------------------------------------------
@@ -227,29 +226,29 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
 @dataclass(frozen=True, slots=True)
 class ExportPlan:
     start: ChainHead
-    seals: list[Seal]
+    through_seq: int
 
 
 def plan_export(io: ChainIO, before: datetime | None, through_seq: int | None) -> ExportPlan:
     """The whole seals to export: after the last dropped range, every row older than ``before``
     (or through seal ``through_seq``). Fails if there is none."""
     start = start_of(io.retention())
-    seals = list(_all_seals(io, start.seq))
+    ends = io.seal_ends(start.seq)
     if through_seq is not None:
-        chosen = [s for s in seals if s.seq <= through_seq]
-        if not chosen or chosen[-1].seq != through_seq:
+        chosen = [seq for seq, _ in ends if seq <= through_seq]
+        if not chosen or chosen[-1] != through_seq:
             msg = f"no seal #{through_seq} after seal #{start.seq} to export through"
             raise StoreError(msg, reason="nothing_to_export")
     else:
         assert before is not None
         young = io.first_id_since(start.last_id, before)
-        chosen = [s for s in seals if young is None or s.last_id < young]
+        chosen = [seq for seq, last_id in ends if young is None or last_id < young]
     if not chosen:
-        when = f"before {sealed_at_text(before)}" if before is not None else ""
-        msg = (f"nothing to export: no whole sealed range {when} after id {start.last_id} "
-               f"(`toolguard audit seal` seals the log first)").replace("  ", " ")
+        when = f"before {sealed_at_text(before)} " if before is not None else ""
+        msg = (f"nothing to export: no whole sealed range {when}after id {start.last_id} "
+               f"(`toolguard audit seal` seals the log first)")
         raise StoreError(msg, reason="nothing_to_export")
-    return ExportPlan(start, chosen)
+    return ExportPlan(start, chosen[-1])
 
 
 def export_log(io: ChainIO, path: str | os.PathLike[str], *, before: datetime | None = None,
@@ -270,7 +269,7 @@ def export_log(io: ChainIO, path: str | os.PathLike[str], *, before: datetime | 
     verifier = Verifier(io.dialect, plan.start, None)
 
     def checked() -> Iterator[tuple[Seal, list[ExportRow]]]:
-        for seal in plan.seals:
+        for seal in _all_seals(io, plan.start.seq, plan.through_seq):
             rows = io.export_rows(seal.after_id, seal.last_id)
             computed = [hashlib.sha256(r.canonical.encode("utf-8", "surrogatepass")).digest()
                         for r in rows]
@@ -328,14 +327,23 @@ PG_STILL_WRITING = (
     f"AND relation = 'toolguard_audit'::regclass AND mode IN ({_PG_WRITE_LOCKS}) "
     "AND virtualtransaction = ANY(%s::text[])")
 PG_MAX_ID = "SELECT max(id) FROM toolguard_audit WHERE id > %s"
+#: Rows in ``(after, upto]`` (``PG_ROWS_FROM``: above ``after``), with the hash of their content.
+#: Two statements, so that both bounds are index bounds (``x IS NULL OR id <= x`` is not).
 PG_ROWS = (f"SELECT id, row_hash, {pg_row_hash('a')} FROM toolguard_audit a "
-           "WHERE id > %s AND (%s::bigint IS NULL OR id <= %s::bigint) ORDER BY id LIMIT %s")
+           "WHERE id > %s AND id <= %s ORDER BY id LIMIT %s")
+#: What a seal records per row: its stored hash, or (none stored) the hash of its content.
+PG_SEAL_ENTRIES = (f"SELECT id, coalesce(row_hash, {pg_row_hash('a')}) FROM toolguard_audit a "
+                   "WHERE id > %s AND id <= %s ORDER BY id LIMIT %s")
+PG_ROWS_FROM = (f"SELECT id, row_hash, {pg_row_hash('a')} FROM toolguard_audit a "
+                "WHERE id > %s ORDER BY id LIMIT %s")
 PG_EXPORT_ROWS = (f"SELECT id, row_hash, {pg_canonical('a')} FROM toolguard_audit a "
                   "WHERE id > %s AND id <= %s ORDER BY id")
 _SEAL_COLUMNS = "seq, after_id, last_id, row_count, rows, prev_hash, seal_hash, sealed_at"
 PG_SEALS = (f"SELECT {_SEAL_COLUMNS} FROM toolguard_audit_seal WHERE seq > %s "
             "ORDER BY seq LIMIT %s")
 PG_HEAD = "SELECT seq, last_id, seal_hash FROM toolguard_audit_seal ORDER BY seq DESC LIMIT 1"
+#: Every seal's number and last id (not its row list), for choosing what to export.
+SEAL_ENDS = "SELECT seq, last_id FROM toolguard_audit_seal WHERE seq > %s ORDER BY seq"
 PG_INSERT_SEAL = (f"INSERT INTO toolguard_audit_seal ({_SEAL_COLUMNS}) "
                   "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)")
 _RETENTION_COLUMNS = "through_seq, through_id, final_hash, rows, seals, file_sha256, dropped_at"
@@ -383,9 +391,17 @@ class PgChainIO:
         return [Seal(int(r[0]), int(r[1]), int(r[2]), int(r[3]), bytes(r[4]), str(r[5]),
                      str(r[6]), r[7]) for r in self.conn.execute(PG_SEALS, (after_seq, limit))]
 
+    def seal_ends(self, after_seq: int) -> list[tuple[int, int]]:
+        return [(int(a), int(b)) for a, b in self.conn.execute(SEAL_ENDS, (after_seq,))]
+
     def rows(self, after_id: int, upto_id: int | None, limit: int) -> list[RowCheck]:
-        cursor = self.conn.execute(PG_ROWS, (after_id, upto_id, upto_id, limit))
+        cursor = (self.conn.execute(PG_ROWS_FROM, (after_id, limit)) if upto_id is None else
+                  self.conn.execute(PG_ROWS, (after_id, upto_id, limit)))
         return [RowCheck(int(r[0]), _bytes(r[1]), _bytes(r[2])) for r in cursor]
+
+    def seal_entries(self, after_id: int, upto_id: int, limit: int) -> list[tuple[int, bytes]]:
+        cursor = self.conn.execute(PG_SEAL_ENTRIES, (after_id, upto_id, limit))
+        return [(int(r[0]), bytes(r[1])) for r in cursor]
 
     def export_rows(self, after_id: int, upto_id: int) -> list[ExportRow]:
         cursor = self.conn.execute(PG_EXPORT_ROWS, (after_id, upto_id))
@@ -478,7 +494,9 @@ _CANONICAL_COLUMNS = ("id, at, agent, tool, intent_id, idempotency_key, workflow
                       "reason, keys, tokens, args, detail, duration_ms, node_attempt, "
                       "policy_version")
 SQLITE_ROWS = (f"SELECT {_CANONICAL_COLUMNS}, row_hash FROM toolguard_audit "
-               "WHERE id > ? AND (? IS NULL OR id <= ?) ORDER BY id LIMIT ?")
+               "WHERE id > ? AND id <= ? ORDER BY id LIMIT ?")
+#: No upper bound: as many as ``2**63 - 1`` allows (SQLite's largest rowid).
+NO_UPPER = 2**63 - 1
 SQLITE_SEALS = (f"SELECT {_SEAL_COLUMNS} FROM toolguard_audit_seal WHERE seq > ? "
                 "ORDER BY seq LIMIT ?")
 SQLITE_INSERT_SEAL = (f"INSERT INTO toolguard_audit_seal ({_SEAL_COLUMNS}) "
@@ -529,11 +547,16 @@ class SqliteChainIO:
                      str(r[6]), _sqlite_moment(r[7]))
                 for r in self.conn.execute(SQLITE_SEALS, (after_seq, limit))]
 
+    def seal_ends(self, after_seq: int) -> list[tuple[int, int]]:
+        return [(int(a), int(b)) for a, b in self.conn.execute(SEAL_ENDS.replace("%s", "?"),
+                                                               (after_seq,))]
+
     def _raw_rows(self, after_id: int, upto_id: int | None, limit: int) -> list[tuple[Any, ...]]:
         previous = self.conn.text_factory
         self.conn.text_factory = _text_or_escape
         try:
-            return self.conn.execute(SQLITE_ROWS, (after_id, upto_id, upto_id, limit)).fetchall()
+            upper = NO_UPPER if upto_id is None else upto_id
+            return self.conn.execute(SQLITE_ROWS, (after_id, upper, limit)).fetchall()
         finally:
             self.conn.text_factory = previous
 
@@ -548,6 +571,20 @@ class SqliteChainIO:
             checks.append(RowCheck(int(row[0]), bytes(stored) if isinstance(
                 stored, bytes | memoryview) else None, computed))
         return checks
+
+    def seal_entries(self, after_id: int, upto_id: int, limit: int) -> list[tuple[int, bytes]]:
+        entries = []
+        for row in self._raw_rows(after_id, upto_id, limit):
+            stored = row[-1]
+            if isinstance(stored, bytes | memoryview):
+                entries.append((int(row[0]), bytes(stored)))
+                continue
+            try:
+                digest = sqlite_row_hash(*row[:-1])
+            except (TypeError, ValueError, UnicodeError):  # sealed as it is: verify reports it
+                digest = hashlib.sha256(b"unreadable").digest()
+            entries.append((int(row[0]), digest))
+        return entries
 
     def export_rows(self, after_id: int, upto_id: int) -> list[ExportRow]:
         out = []
@@ -603,20 +640,19 @@ def sqlite_snapshot(conn: sqlite3.Connection) -> Iterator[SqliteChainIO]:
 def sqlite_seal(conn: sqlite3.Connection, *, max_rows: int) -> SealResult:
     """Seal every committed row, one seal per write transaction (the write lock is held briefly)."""
     seals = rows = 0
-    mismatched: list[int] = []
     while True:
         with sqlite_immediate(conn) as io:
-            result = seal_log(io, lambda head: (_sqlite_max_id(conn, head), None),
+            result = seal_log(io, lambda head: (_sqlite_max_id(conn, head, max_rows), None),
                               max_rows=max_rows)
         seals, rows = seals + result.seals, rows + result.rows
-        mismatched.extend(result.mismatched)
         if result.rows < max_rows:
-            return SealResult(seals, rows, result.head, None, tuple(mismatched))
+            return SealResult(seals, rows, result.head, None)
 
 
-def _sqlite_max_id(conn: sqlite3.Connection, head: ChainHead) -> int:
-    # One seal per transaction: at most ``max_rows`` rows above the head.
-    row = conn.execute("SELECT max(id) FROM toolguard_audit WHERE id > ?", (head.last_id,)).fetchone()
+def _sqlite_max_id(conn: sqlite3.Connection, head: ChainHead, max_rows: int) -> int:
+    """The last id of the next ``max_rows`` rows: one seal per write transaction."""
+    row = conn.execute("SELECT max(id) FROM (SELECT id FROM toolguard_audit WHERE id > ? "
+                       "ORDER BY id LIMIT ?)", (head.last_id, max_rows)).fetchone()
     return head.last_id if row is None or row[0] is None else int(row[0])
 
 
