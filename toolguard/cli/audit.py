@@ -690,6 +690,7 @@ def verify_command(
             raise typer.BadParameter(f"{path}: no such file", param_hint="--export")
     filters = _link_opts(url, schema, timeout, ctx)
     where = redact(resolve_store_url(filters.url))
+    shown = where + (f" (schema {filters.schema})" if filters.schema else "")
     with _store(filters) as store, failures(where):
         if seal_first:
             store.seal_audit()
@@ -697,7 +698,7 @@ def verify_command(
     if json_out:
         typer.echo(json.dumps(report.as_dict(), indent=2))
     else:
-        _render_verification(report, where)
+        _render_verification(report, shown)
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
 
