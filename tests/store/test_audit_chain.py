@@ -471,6 +471,24 @@ def test_the_async_store_writes_hashed_rows_and_seals_and_verifies(env: StoreEnv
     assert problems(store) == [("row_changed", 2, 1)]
 
 
+def test_the_async_store_exports_and_drops(env: StoreEnv, store: GuardedStore,
+                                           tmp_path: Path) -> None:
+    write_log(store, 4)
+
+    async def main() -> tuple[Any, Any]:
+        astore = env.open_async()
+        try:
+            await astore.seal_audit(max_rows=2)
+            result = await astore.export_audit(tmp_path / "a.jsonl", through_seq=1, drop=True)
+            return result, await astore.verify_audit(exports=[tmp_path / "a.jsonl"])
+        finally:
+            await astore.close()
+
+    result, report = asyncio.run(main())
+    assert result.dropped and result.rows == 2 and report.ok and report.start.seq == 1
+    assert [r[0] for r in rows(store, "SELECT id FROM toolguard_audit ORDER BY id")] == [3, 4]
+
+
 # --- sealing under concurrency ---------------------------------------------------------------------
 
 

@@ -729,7 +729,8 @@ def _render_verification(report: AuditVerification, where: str) -> None:
         out.print(chain + (": every link checks" if report.ok else ""), soft_wrap=True)
     if report.unhashed:
         out.print(f"  {report.unhashed:,} rows carry no row hash of their own (written before "
-                  f"schema 5, or with the row-hash trigger off): their seal covers them",
+                  f"schema 5, or with the row-hash trigger off): a seal covers them once "
+                  f"they are sealed, nothing before",
                   soft_wrap=True)
     for check in report.exports:
         state = "verifies" if check.ok else "does NOT verify"

@@ -444,7 +444,8 @@ class PgChainIO:
             if not writers:
                 break
             if time.monotonic() >= deadline:
-                pids = ", ".join(str(p) for _, p in writers)
+                pids = ", ".join(str(p) if p is not None else "a prepared transaction"
+                                 for _, p in writers)
                 return head.last_id, (
                     f"rows after id {head.last_id} wait for transactions that write the audit "
                     f"log and are still open (pid {pids}); the next seal covers them")
