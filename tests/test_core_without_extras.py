@@ -127,7 +127,12 @@ def test_names_and_submodules_resolve_lazily(tmp_path: Path) -> None:
         import toolguard
         assert toolguard.locks.connect is toolguard.connect      # a submodule as an attribute
         from toolguard import *                                   # every name in __all__
-        assert ToolFailed.__module__ == "toolguard.guard" and callable(current_or_none)
+        assert ToolFailed.__module__ == "toolguard.decision" and callable(current_or_none)
+        assert toolguard.guard.ToolFailed is ToolFailed and toolguard.guard.Decision is Decision
+        # the errors a developer catches or filters, importable from the top without the guard
+        assert issubclass(InvalidIntent, IntentRejected) and issubclass(MissingIdentity, NotAuthorized)
+        assert issubclass(GuardMisconfigured, ConfigurationError)
+        assert issubclass(UnknownToolWarning, UserWarning)
         try:
             toolguard.nothing_here
         except AttributeError as error:

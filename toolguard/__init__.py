@@ -12,11 +12,14 @@ from toolguard.errors import (
     BackendUnavailable,
     ConfigurationError,
     DuplicateIntent,
+    GuardMisconfigured,
     IdempotencyConflict,
     IntentRejected,
     InvalidArguments,
+    InvalidIntent,
     LockLost,
     LockTimeout,
+    MissingIdentity,
     NotAuthorized,
     NotOwned,
     OutOfOrder,
@@ -24,12 +27,14 @@ from toolguard.errors import (
     StaleFencingToken,
     ToolGuardError,
     UnknownTool,
+    UnknownToolWarning,
 )
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
     from toolguard.adapters.functions import guarded
     from toolguard.context import CallContext, current, current_or_none
-    from toolguard.guard import Decision, ToolFailed, ToolGuard
+    from toolguard.decision import Decision, ToolFailed
+    from toolguard.guard import ToolGuard
     from toolguard.intent import Intent, WorkflowIdentity
     from toolguard.locks import connect, connect_async
     from toolguard.policies import Policy, ToolPolicy, load_policy
@@ -46,8 +51,8 @@ _LAZY = {
     "CallContext": "toolguard.context",
     "current": "toolguard.context",
     "current_or_none": "toolguard.context",
-    "Decision": "toolguard.guard",
-    "ToolFailed": "toolguard.guard",
+    "Decision": "toolguard.decision",
+    "ToolFailed": "toolguard.decision",
     "ToolGuard": "toolguard.guard",
     "Intent": "toolguard.intent",
     "WorkflowIdentity": "toolguard.intent",
@@ -62,8 +67,8 @@ _LAZY = {
 
 
 #: Submodules reachable as attributes (``toolguard.locks.connect``) without importing them first.
-_SUBMODULES = frozenset({"adapters", "config", "context", "errors", "extras", "guard", "intent",
-                         "locks", "policies", "store"})
+_SUBMODULES = frozenset({"adapters", "config", "context", "decision", "envelope", "errors",
+                         "extras", "guard", "intent", "locks", "policies", "store"})
 
 
 def __getattr__(name: str) -> Any:
@@ -90,12 +95,15 @@ __all__ = [
     "ConfigurationError",
     "Decision",
     "DuplicateIntent",
+    "GuardMisconfigured",
     "IdempotencyConflict",
     "Intent",
     "IntentRejected",
     "InvalidArguments",
+    "InvalidIntent",
     "LockLost",
     "LockTimeout",
+    "MissingIdentity",
     "NotAuthorized",
     "NotOwned",
     "OutOfOrder",
@@ -107,6 +115,7 @@ __all__ = [
     "ToolGuardError",
     "ToolPolicy",
     "UnknownTool",
+    "UnknownToolWarning",
     "WorkflowIdentity",
     "__version__",
     "connect",

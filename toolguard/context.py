@@ -8,41 +8,93 @@ threads, and asyncio tasks inherit it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
-from toolguard.errors import ToolGuardError
+from toolguard.errors import GuardMisconfigured, ToolGuardError
 from toolguard.intent import Intent
 from toolguard.locks.lease import Lease
+from toolguard.store.base import AsyncFencedTransaction, FencedTransaction
 
 __all__ = ["CallContext", "current", "current_or_none"]
 
+_SYNC_BODY_ON_ASYNC_PATH = (
+    "{tool}: a sync tool body is running on the async path (ainvoke/arun), where the fenced "
+    "transaction is asyncio-only; give the tool an async implementation (e.g. StructuredTool "
+    "coroutine=...) that uses current().atx, or run the graph with invoke()")
+_ASYNC_TX_IN_SYNC_CODE = (
+    "{tool}: this call runs on the async path; an async tool reads its transaction from "
+    "current().atx (await atx.execute(...))")
+_SYNC_TX_IN_ASYNC_CODE = (
+    "{tool}: this call runs on the sync path; use current().tx (tx.execute(...)), or run the "
+    "graph with ainvoke() for an async tool")
+_NO_TX = ("{tool} runs without a fenced transaction (read_only, or no lock key); it has no "
+          "current().tx")
 
-@dataclass(slots=True)
+
 class CallContext:
     """The guard's view of the call in progress, handed to the tool.
 
-    ``tx`` is the store's fenced transaction for fenced tools: run the reads
-    that decide a write *and* the write through it (``tx.execute(...)``), so a
-    holder paused past its TTL can never write on a stale read. For unfenced
-    tools ``tx`` is None and ``idempotency_key`` must be passed to the external
-    system, which is what makes a retry safe there.
+    ``tx`` (sync tools) and ``atx`` (async tools) are the store's fenced
+    transaction: run the reads that decide a write *and* the write through it
+    (``tx.execute(...)``), so a holder paused past its TTL can never write on a
+    stale read. Each raises ``GuardMisconfigured`` where it cannot work: ``tx``
+    on the async path, a sync tool body on the async path, a read-only tool
+    (no transaction). An unfenced tool must pass ``idempotency_key`` to the
+    external system, which is what makes a retry safe there.
     """
 
-    intent: Intent
-    tool: str
-    args: Mapping[str, Any]  # validated, as JSON values; ``model`` holds the typed instance
-    idempotency_key: str
-    keys: tuple[str, ...]
-    model: BaseModel | None = None
-    lease: Lease | None = None
-    tx: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("_tx", "args", "extra", "idempotency_key", "intent", "keys", "lease", "model",
+                 "tool")
+
+    def __init__(self, *, intent: Intent, tool: str, args: Mapping[str, Any],
+                 idempotency_key: str, keys: tuple[str, ...], model: BaseModel | None = None,
+                 lease: Lease | None = None,
+                 tx: FencedTransaction | AsyncFencedTransaction | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        self.intent = intent
+        self.tool = tool
+        #: Validated, as JSON values; ``model`` holds the typed instance.
+        self.args = args
+        self.idempotency_key = idempotency_key
+        self.keys = keys
+        self.model = model
+        self.lease = lease
+        self.extra: dict[str, Any] = {} if extra is None else extra
+        self._tx = tx
+
+    @property
+    def tx(self) -> FencedTransaction:
+        """The fenced transaction of a sync tool."""
+        tx = self._tx
+        if isinstance(tx, FencedTransaction):
+            return tx
+        if isinstance(tx, AsyncFencedTransaction):
+            template = _ASYNC_TX_IN_SYNC_CODE if _in_event_loop() else _SYNC_BODY_ON_ASYNC_PATH
+            raise GuardMisconfigured(template.format(tool=self.tool))
+        raise GuardMisconfigured(_NO_TX.format(tool=self.tool))
+
+    @property
+    def atx(self) -> AsyncFencedTransaction:
+        """The fenced transaction of an async tool (``await ctx.atx.execute(...)``)."""
+        tx = self._tx
+        if isinstance(tx, AsyncFencedTransaction):
+            if not _in_event_loop():
+                raise GuardMisconfigured(_SYNC_BODY_ON_ASYNC_PATH.format(tool=self.tool))
+            return tx
+        if isinstance(tx, FencedTransaction):
+            raise GuardMisconfigured(_SYNC_TX_IN_ASYNC_CODE.format(tool=self.tool))
+        raise GuardMisconfigured(_NO_TX.format(tool=self.tool))
+
+    @property
+    def fenced(self) -> bool:
+        """True when the call runs inside a fenced transaction (``tx`` or ``atx``)."""
+        return self._tx is not None
 
     @property
     def tokens(self) -> Mapping[str, int]:
@@ -52,6 +104,14 @@ class CallContext:
         """Raise ``LockLost`` if the lease is gone: call it before an unfenced side effect."""
         if self.lease is not None:
             self.lease.check()
+
+    def __repr__(self) -> str:
+        return f"CallContext(tool={self.tool!r}, keys={self.keys!r}, fenced={self.fenced})"
+
+
+def _in_event_loop() -> bool:
+    """True when this thread runs an event loop (an async tool), false in a worker thread."""
+    return asyncio._get_running_loop() is not None
 
 
 _current: ContextVar[CallContext | None] = ContextVar("toolguard_call", default=None)

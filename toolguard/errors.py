@@ -10,28 +10,42 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "ApprovalDenied",
+    "ApprovalExpired",
+    "ApprovalMismatch",
+    "ApprovalRequired",
     "AuditAppendOnly",
     "BackendUnavailable",
+    "BudgetExceeded",
     "ConfigurationError",
     "DuplicateIntent",
+    "GuardMisconfigured",
     "IdempotencyConflict",
+    "InFlightLimited",
     "IntentRejected",
     "InvalidArguments",
     "InvalidFencingToken",
+    "InvalidIntent",
     "LockError",
     "LockLost",
     "LockTimeout",
+    "MissingIdentity",
     "NotAuthorized",
     "NotOwned",
     "OutOfOrder",
+    "Paused",
     "PolicyError",
     "PolicyProblems",
+    "QuotaExceeded",
+    "RateLimited",
     "RecordNotFound",
     "StaleFencingToken",
     "StoreError",
     "TooManyRows",
     "ToolGuardError",
+    "UnknownApproval",
     "UnknownTool",
+    "UnknownToolWarning",
     "is_control_flow",
 ]
 
@@ -55,6 +69,19 @@ class ConfigurationError(ToolGuardError):
     """Settings or URLs that cannot work (unknown scheme, TTL too small...)."""
 
     reason = "configuration"
+
+
+class GuardMisconfigured(ConfigurationError):
+    """The guard, a tool or an adapter is wired wrongly (e.g. no asyncio backends on the
+    async path, a sync tool body on the async path).
+
+    The guard audits it and then raises it to the developer: it is never turned into
+    a refusal the model reads, since no retry by the model can fix it.
+    """
+
+
+class UnknownToolWarning(UserWarning):
+    """A tool was registered with a guard whose policy does not name it."""
 
 
 class BackendUnavailable(ToolGuardError):
@@ -210,6 +237,12 @@ class IntentRejected(ToolGuardError):
     reason = "rejected"
 
 
+class InvalidIntent(IntentRejected):
+    """The call's envelope (id, name, agent, workflow identity) breaks the envelope rules."""
+
+    reason = "invalid_intent"
+
+
 class InvalidArguments(IntentRejected):
     reason = "invalid_arguments"
 
@@ -218,12 +251,101 @@ class NotAuthorized(IntentRejected):
     reason = "not_authorized"
 
 
+class MissingIdentity(NotAuthorized):
+    """The call carries no agent identity: refused, never guessed."""
+
+    reason = "missing_identity"
+
+
 class UnknownTool(IntentRejected):
     reason = "unknown_tool"
 
 
 class OutOfOrder(IntentRejected):
     reason = "out_of_order"
+
+
+# --- production controls: kill switch, quotas, approvals ---------------------------------
+
+
+class Paused(IntentRejected):
+    """An operator paused this tool or agent (``toolguard pause``): new calls are refused."""
+
+    reason = "paused"
+
+
+class QuotaExceeded(IntentRejected):
+    """A quota refused the call; ``retry_after_s`` says when it may fit (None: never, as asked).
+
+    ``quota`` names the counter (the rule's ``name``, else tool/kind/window/scope)
+    and ``scope`` the value it was counted under (``agent=payments``).
+    """
+
+    reason = "quota_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, quota: str = "",
+                 scope: str = "", reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.retry_after_s = retry_after_s
+        self.quota = quota
+        self.scope = scope
+
+
+class RateLimited(QuotaExceeded):
+    """More calls in the window than the quota's ``calls:`` allows."""
+
+    reason = "rate_limited"
+
+
+class InFlightLimited(RateLimited):
+    """As many calls as ``in_flight:`` allows are running already."""
+
+    reason = "in_flight_limited"
+
+
+class BudgetExceeded(QuotaExceeded):
+    """The call's amount would take the window's sum over the quota's ``budget:``."""
+
+    reason = "budget_exceeded"
+
+
+class ApprovalRequired(IntentRejected):
+    """The call waits for a person: ``approval_id`` names the request (``toolguard approve ID``).
+
+    ``request`` is what the person needs to decide (the interrupt payload in
+    LangGraph): tool, redacted arguments, keys, agent, why, expiry.
+    """
+
+    reason = "approval_required"
+
+    def __init__(self, message: str, *, approval_id: str, request: object = None) -> None:
+        super().__init__(message)
+        self.approval_id = approval_id
+        self.request = request
+
+
+class ApprovalDenied(IntentRejected):
+    """A person denied the call."""
+
+    reason = "approval_denied"
+
+
+class ApprovalExpired(IntentRejected):
+    """The approval (or the request waiting for one) passed its expiry."""
+
+    reason = "approval_expired"
+
+
+class ApprovalMismatch(IntentRejected):
+    """The approval was given for another intent: other tool, arguments or policy version."""
+
+    reason = "approval_mismatch"
+
+
+class UnknownApproval(ToolGuardError):
+    """No approval request with this id (or it cannot be decided any more)."""
+
+    reason = "unknown_approval"
 
 
 # --- control flow ------------------------------------------------------------------------

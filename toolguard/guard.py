@@ -1,13 +1,15 @@
 """The guard: one tool call from untrusted intent to audited, fenced effect.
 
-validate -> authorize -> resolve keys -> order -> lock -> fenced transaction
-(fences, dedupe by idempotency key, execute, record, audit) -> release, every
-decision audited with a stable reason code.
+envelope -> validate -> authorize -> resolve keys -> order -> lock -> fenced
+transaction (fences, dedupe by idempotency key, execute, record, audit) ->
+release, every decision audited exactly once with a stable reason code.
 
 The deciding steps (``_prepare``) are pure and shared by ``run`` and ``arun``;
-only the I/O edges (ordering wait, lock + fenced transaction) come in pairs.
-Expected rejections come back as a ``Decision``; ``call``/``acall`` raise the
-typed error instead, for plain Python callers. Cancellation and LangGraph
+only the I/O edges (ordering wait, lock + fenced transaction, audit) come in
+pairs. Expected rejections come back as a ``Decision``; ``call``/``acall``
+raise the typed error instead, for plain Python callers. A
+``ConfigurationError`` (the guard or a tool wired wrongly) is audited and then
+raised: the developer has to fix it, no model can. Cancellation and LangGraph
 interrupts release the locks, record the outcome as unknown (reconciled by the
 idempotency key on the next attempt) and propagate.
 """
@@ -15,26 +17,38 @@ idempotency key on the next attempt) and propagate.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 
-from toolguard.context import CallContext, bind, current
+from toolguard.context import CallContext, bind
+from toolguard.decision import (
+    FAILURE_TEMPLATE,
+    REJECTION_TEMPLATE,
+    Decision,
+    DecisionKind,
+    ToolFailed,
+    refusal,
+)
+from toolguard.envelope import envelope_problem
 from toolguard.errors import (
-    BackendUnavailable,
+    ConfigurationError,
+    GuardMisconfigured,
     IntentRejected,
     InvalidArguments,
-    LockError,
+    InvalidIntent,
     OutOfOrder,
-    StoreError,
     ToolGuardError,
+    UnknownToolWarning,
     is_control_flow,
 )
-from toolguard.intent import Intent, args_hash, check_limits, json_args
+from toolguard.intent import Intent, args_hash, bounded_key, check_limits, json_args
 from toolguard.locks import AsyncLockManager, LockManager
 from toolguard.policies import (
     Policy,
@@ -49,58 +63,28 @@ from toolguard.policies import (
     strict_model,
     validate_args,
 )
+from toolguard.policies.redaction import Secrets, scrub, scrub_text, secrets_of
 from toolguard.policies.strict import SchemaSource
+from toolguard.recording import audit_entry, storable, storable_text
 from toolguard.store import AsyncGuardedStore, GuardedStore
-from toolguard.store.base import AuditEntry, IntentRecord, was_audited
-from toolguard.store.recovery import arun_fenced, run_fenced
+from toolguard.store.base import (
+    AsyncFencedTransaction,
+    FencedTransaction,
+    IntentRecord,
+    was_audited,
+)
+from toolguard.store.recovery import Outcome, arun_fenced, run_fenced
 
-__all__ = ["Decision", "DecisionKind", "ToolFailed", "ToolGuard"]
+__all__ = ["FAILURE_TEMPLATE", "REJECTION_TEMPLATE", "Decision", "DecisionKind", "ToolFailed",
+           "ToolGuard"]
 
 log = logging.getLogger("toolguard.guard")
-
-DecisionKind = Literal["accepted", "replayed", "rejected", "failed", "unknown"]
-
-#: What the model reads when the guard refused its call (module constant: one wording).
-REJECTION_TEMPLATE = "rejected by toolguard ({reason}): {message}"
 
 _ORDER_POLL_MIN_S = 0.02
 _ORDER_POLL_MAX_S = 0.25
 
-
-class ToolFailed(ToolGuardError):
-    """The tool itself reported an error; its transaction was rolled back."""
-
-    reason = "tool_error"
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What the guard did with one intent."""
-
-    kind: DecisionKind
-    reason: str
-    intent: Intent
-    result: Any = None
-    message: str = ""
-    keys: tuple[str, ...] = ()
-    tokens: Mapping[str, int] = field(default_factory=dict)
-    idempotency_key: str | None = None
-    error: ToolGuardError | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.kind in ("accepted", "replayed")
-
-    def model_text(self) -> str:
-        """The text a model reads for a refused or failed call."""
-        return REJECTION_TEMPLATE.format(reason=self.reason, message=self.message)
-
-    def raise_for_rejection(self) -> Any:
-        """Return the result, or raise the typed error (for plain Python callers)."""
-        if self.ok:
-            return self.result
-        assert self.error is not None
-        raise self.error
+_NO_ID = ("invalid tool call: id: missing; a model's tool call needs an id, or the tool's policy "
+          "an idempotency_key template, so that a call sent twice is applied once")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +97,15 @@ class _Prepared:
     keys: tuple[str, ...]
     record: IntentRecord
     after: tuple[tuple[str, tuple[str, ...]], ...]
+    secrets: Secrets
 
 
 class ToolGuard:
     """Runs tool calls through a policy, fenced locks and the guarded store.
+
+    Give it a sync pair (``locks=``, ``store=``) for ``run``, an asyncio pair
+    (``async_locks=``, ``async_store=``) for ``arun``, or both; a path without
+    its pair raises ``GuardMisconfigured`` at its first call.
 
     >>> guard = ToolGuard(load_policy("policy.yml"), locks=connect(), store=open_store())
     >>> decision = guard.run(intent, lambda ctx: update_lead(ctx.tx, **ctx.args))
@@ -132,6 +121,19 @@ class ToolGuard:
         async_store: AsyncGuardedStore | None = None,
         schemas: Mapping[str, SchemaSource] | None = None,
     ) -> None:
+        if not isinstance(policy, Policy):
+            msg = (f"ToolGuard needs a Policy (load_policy(...) or Policy.from_dict(...)), "
+                   f"got {type(policy).__name__}")
+            raise GuardMisconfigured(msg)
+        for sync, edge, names in ((locks, store, "locks= and store="),
+                                  (async_locks, async_store, "async_locks= and async_store=")):
+            if (sync is None) != (edge is None):
+                msg = f"pass {names} together: a guarded call needs both"
+                raise GuardMisconfigured(msg)
+        if locks is None and async_locks is None:
+            msg = ("a ToolGuard needs locks= and store= (sync path), async_locks= and "
+                   "async_store= (asyncio path), or both")
+            raise GuardMisconfigured(msg)
         self.policy = policy
         self.locks = locks
         self.store = store
@@ -139,20 +141,26 @@ class ToolGuard:
         self.async_store = async_store
         self._models: dict[str, type[BaseModel]] = {}
         for name, source in (schemas or {}).items():
-            self.register(name, source)
+            self.register(name, source, stacklevel=3)
 
     # --- tools -------------------------------------------------------------------------
 
-    def register(self, name: str, source: SchemaSource) -> type[BaseModel]:
+    def register(self, name: str, source: SchemaSource, *, stacklevel: int = 2) -> type[BaseModel]:
         """Validate ``name``'s arguments with a strict model derived from ``source``.
 
         Checks the policy against the schema (template fields that are not
         arguments, constraints of the wrong kind...) and raises
-        ``PolicyProblems`` naming file and line.
+        ``PolicyProblems`` naming file and line. A name the policy does not
+        know warns (``UnknownToolWarning``): with ``on_unknown_tool: deny``
+        every call to it would be refused. ``stacklevel`` points the warning at
+        the caller's code, as for ``warnings.warn``.
         """
         model = strict_model(source, name=name)
         if name in self.policy.tools:
             self.policy.check_against({name: model})
+        else:
+            warnings.warn(_unknown_tool_text(self.policy, name), UnknownToolWarning,
+                          stacklevel=stacklevel)
         self._models[name] = model
         return model
 
@@ -162,7 +170,12 @@ class ToolGuard:
     # --- the pure part -------------------------------------------------------------------
 
     def _prepare(self, intent: Intent) -> _Prepared:
+        problem = envelope_problem(intent)
+        if problem is not None:
+            raise InvalidIntent(f"invalid tool call: {problem}")
         rule = lookup_tool(self.policy, intent.tool)
+        if not intent.call_id and intent.origin == "model" and rule.idempotency_key is None:
+            raise InvalidIntent(_NO_ID)
         check_limits(intent.args, rule.limits)
         schema = self._models.get(intent.tool)
         model: BaseModel | None = None
@@ -182,52 +195,71 @@ class ToolGuard:
                 msg = ("an unfenced tool needs a stable idempotency key (a tool-call id with a "
                        "thread or run id, or an idempotency_key template in its policy)")
                 raise IntentRejected(msg, reason="missing_idempotency_key")
-            key = f"intent:{intent.id}"  # no stable identity: this call alone, no replay
+            key = bounded_key(f"intent:{intent.id}")  # no stable identity: this call alone
+        secrets = secrets_of(rule, args)
+        audited = redacted_args(rule, args) if rule.redact else args
+        flow = intent.workflow
         record = IntentRecord(
             tool=intent.tool, idempotency_key=key, args_hash=args_hash(args),
-            agent=_text(intent.agent), workflow=_workflow(intent), keys=keys,
-            intent_id=_text(intent.call_id or intent.id),
-            args=_storable(redacted_args(rule, args) if rule.redact else args),
-            node_attempt=intent.node_attempt)
+            agent=storable_text(intent.agent), workflow=storable_text(flow.thread_id or flow.run_id),
+            keys=keys, intent_id=storable_text(intent.call_id or intent.id),
+            args=storable(scrub(audited, secrets)), node_attempt=intent.node_attempt)
         after = tuple((earlier, ordering_keys(rule, self.policy.tools[earlier], args))
                       for earlier in rule.after)
-        return _Prepared(rule, args, model, keys, record, after)
+        return _Prepared(rule, args, model, keys, record, after, secrets)
 
-    def _context(self, intent: Intent, prepared: _Prepared, tx: Any, lease: Any) -> CallContext:
-        return CallContext(intent=intent, tool=intent.tool, args=prepared.args, model=prepared.model,
+    def _context(self, intent: Intent, prepared: _Prepared,
+                 tx: FencedTransaction | AsyncFencedTransaction | None) -> CallContext:
+        return CallContext(intent=intent, tool=intent.tool, args=prepared.args,
+                           model=prepared.model,
                            idempotency_key=prepared.record.idempotency_key or "",
-                           keys=prepared.keys, lease=lease, tx=tx)
+                           keys=prepared.keys, lease=tx.lease if tx is not None else None, tx=tx)
+
+    def _refusal(self, intent: Intent, prepared: _Prepared | None, error: Exception) -> Decision:
+        if prepared is None:
+            return refusal(intent, error)
+        decision = refusal(intent, error, keys=prepared.keys,
+                           idempotency_key=prepared.record.idempotency_key)
+        if prepared.secrets:
+            decision = dataclasses.replace(
+                decision, message=scrub_text(decision.message, prepared.secrets))
+        return decision
 
     # --- sync ---------------------------------------------------------------------------
 
     def run(self, intent: Intent, execute: Callable[[CallContext], Any]) -> Decision:
-        """Guard one call; ``execute(ctx)`` performs the effect (inside the fenced transaction)."""
+        """Guard one call; ``execute(ctx)`` performs the effect (inside the fenced transaction).
+
+        Never raises for anything the call brings: every refusal and failure is
+        a ``Decision``, audited once. Raises ``ConfigurationError`` (after
+        auditing it) when the guard or the tool is wired wrongly, and lets
+        cancellation and LangGraph interrupts through.
+        """
         started = time.monotonic()
         prepared: _Prepared | None = None
         try:
+            locks, store = self._sync_edges()
             prepared = self._prepare(intent)
-            self._wait_for_order(prepared)
+            self._wait_for_order(store, prepared)
             if not prepared.keys:
                 return self._run_unlocked(intent, prepared, execute, started)
-            locks, store = self._sync_edges()
-
-            def body(tx: Any) -> Any:
-                with bind(self._context(intent, prepared, tx, tx.lease)):
-                    return execute(current())
-
-            outcome = run_fenced(locks, store, prepared.keys, _with_lease(body),
+            body = _Body(self, intent, prepared)
+            outcome = run_fenced(locks, store, prepared.keys, body.sync(execute),
                                  intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
                                  timeout_s=prepared.rule.wait_timeout_s)
-            return _accepted(intent, prepared, outcome.value, outcome.replayed, outcome.tokens)
+            return body.decision(outcome)
         except BaseException as error:
             if is_control_flow(error):
                 self._record_unknown(intent, prepared, error, started)
                 raise
             if not isinstance(error, Exception):
                 raise
-            decision = _refusal(intent, prepared, error)
+            decision = self._refusal(intent, prepared, error)
             if not was_audited(error):
                 self._audit(decision, prepared, started)
+            _log(decision)
+            if isinstance(error, ConfigurationError):
+                raise
             return decision
 
     def call(self, intent: Intent, execute: Callable[[CallContext], Any]) -> Any:
@@ -236,21 +268,21 @@ class ToolGuard:
 
     def _sync_edges(self) -> tuple[LockManager, GuardedStore]:
         if self.locks is None or self.store is None:
-            msg = "this ToolGuard has no sync lock manager and store (pass locks= and store=)"
-            raise ToolGuardError(msg, reason="configuration")
+            msg = ("this ToolGuard has no sync lock manager and store: pass locks= and store=, "
+                   "or run the graph with ainvoke()/arun()")
+            raise GuardMisconfigured(msg)
         return self.locks, self.store
 
-    def _wait_for_order(self, prepared: _Prepared) -> None:
+    def _wait_for_order(self, store: GuardedStore, prepared: _Prepared) -> None:
         if not prepared.after:
             return
-        _, store = self._sync_edges()
         wait = _OrderWait(prepared)
         while (missing := next((c for c in wait.checks() if not store.has_applied(*c)), None)):
             time.sleep(wait.pause_or_raise(missing))
 
     def _run_unlocked(self, intent: Intent, prepared: _Prepared,
                       execute: Callable[[CallContext], Any], started: float) -> Decision:
-        with bind(self._context(intent, prepared, None, None)) as ctx:
+        with bind(self._context(intent, prepared, None)) as ctx:
             result = execute(ctx)
         decision = _accepted(intent, prepared, result, False, {})
         self._audit(decision, prepared, started)
@@ -265,15 +297,17 @@ class ToolGuard:
             if prepared.record.idempotency_key:
                 self.store.mark_unknown(prepared.record.idempotency_key, prepared.record)
             if not was_audited(error):
-                self.store.audit(_entry(_unknown(intent, prepared, error), prepared, started))
+                self.store.audit(audit_entry(_unknown(intent, prepared, error), prepared.record,
+                                             started))
         except Exception as audit_error:  # never hide the interrupt behind a bookkeeping failure
             log.warning("could not record an interrupted call as unknown: %s", audit_error)
 
     def _audit(self, decision: Decision, prepared: _Prepared | None, started: float) -> None:
         if self.store is None:
+            log.warning("no sync store to audit %s/%s", decision.kind, decision.reason)
             return
         try:
-            self.store.audit(_entry(decision, prepared, started))
+            self.store.audit(audit_entry(decision, prepared.record if prepared else None, started))
         except Exception as audit_error:  # the store may be what is down; the decision stands
             log.warning("could not audit %s/%s: %s", decision.kind, decision.reason, audit_error)
 
@@ -285,33 +319,32 @@ class ToolGuard:
         started = time.monotonic()
         prepared: _Prepared | None = None
         try:
+            locks, store = self._async_edges()
             prepared = self._prepare(intent)
-            await self._await_order(prepared)
+            await self._await_order(store, prepared)
             if not prepared.keys:
-                with bind(self._context(intent, prepared, None, None)) as ctx:
+                with bind(self._context(intent, prepared, None)) as ctx:
                     result = await execute(ctx)
                 decision = _accepted(intent, prepared, result, False, {})
                 await self._aaudit(decision, prepared, started)
                 return decision
-            locks, store = self._async_edges()
-
-            async def body(tx: Any) -> Any:
-                with bind(self._context(intent, prepared, tx, tx.lease)):
-                    return await execute(current())
-
-            outcome = await arun_fenced(locks, store, prepared.keys, _with_lease_async(body),
+            body = _Body(self, intent, prepared)
+            outcome = await arun_fenced(locks, store, prepared.keys, body.asynchronous(execute),
                                         intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
                                         timeout_s=prepared.rule.wait_timeout_s)
-            return _accepted(intent, prepared, outcome.value, outcome.replayed, outcome.tokens)
+            return body.decision(outcome)
         except BaseException as error:
             if is_control_flow(error):
                 await asyncio.shield(self._arecord_unknown(intent, prepared, error, started))
                 raise
             if not isinstance(error, Exception):
                 raise
-            decision = _refusal(intent, prepared, error)
+            decision = self._refusal(intent, prepared, error)
             if not was_audited(error):
                 await self._aaudit(decision, prepared, started)
+            _log(decision)
+            if isinstance(error, ConfigurationError):
+                raise
             return decision
 
     async def acall(self, intent: Intent, execute: Callable[[CallContext], Awaitable[Any]]) -> Any:
@@ -319,15 +352,15 @@ class ToolGuard:
 
     def _async_edges(self) -> tuple[AsyncLockManager, AsyncGuardedStore]:
         if self.async_locks is None or self.async_store is None:
-            msg = ("this ToolGuard has no asyncio lock manager and store "
-                   "(pass async_locks= and async_store=)")
-            raise ToolGuardError(msg, reason="configuration")
+            msg = ("this ToolGuard has no asyncio lock manager and store: pass async_locks= "
+                   "and async_store= (connect_async(), open_async_store()), or run the graph "
+                   "with invoke()/run()")
+            raise GuardMisconfigured(msg)
         return self.async_locks, self.async_store
 
-    async def _await_order(self, prepared: _Prepared) -> None:
+    async def _await_order(self, store: AsyncGuardedStore, prepared: _Prepared) -> None:
         if not prepared.after:
             return
-        _, store = self._async_edges()
         wait = _OrderWait(prepared)
         while True:
             missing = None
@@ -348,17 +381,21 @@ class ToolGuard:
                 await self.async_store.mark_unknown(prepared.record.idempotency_key,
                                                     prepared.record)
             if not was_audited(error):
-                await self.async_store.audit(_entry(_unknown(intent, prepared, error), prepared,
-                                                    started))
+                await self.async_store.audit(audit_entry(_unknown(intent, prepared, error),
+                                                         prepared.record, started))
         except Exception as audit_error:
             log.warning("could not record an interrupted call as unknown: %s", audit_error)
 
     async def _aaudit(self, decision: Decision, prepared: _Prepared | None,
                       started: float) -> None:
-        if self.async_store is None:
-            return
+        entry = audit_entry(decision, prepared.record if prepared else None, started)
         try:
-            await self.async_store.audit(_entry(decision, prepared, started))
+            if self.async_store is not None:
+                await self.async_store.audit(entry)
+            elif self.store is not None:  # a sync-only guard on the async path: still audited
+                await asyncio.to_thread(self.store.audit, entry)
+            else:
+                log.warning("no store to audit %s/%s", decision.kind, decision.reason)
         except Exception as audit_error:
             log.warning("could not audit %s/%s: %s", decision.kind, decision.reason, audit_error)
 
@@ -366,62 +403,92 @@ class ToolGuard:
 # --- helpers shared by both paths ------------------------------------------------------------
 
 
-def _with_lease(body: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Refuse to commit under a lease that was lost while the tool ran."""
+class _Body:
+    """What runs inside the fenced transaction, on either path.
 
-    def wrapped(tx: Any) -> Any:
-        result = body(tx)
-        if tx.lease is not None:
-            tx.lease.check()
-        return result
-
-    return wrapped
-
-
-def _with_lease_async(body: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
-    async def wrapped(tx: Any) -> Any:
-        result = await body(tx)
-        if tx.lease is not None:
-            tx.lease.check()
-        return result
-
-    return wrapped
-
-
-def _workflow(intent: Intent) -> str | None:
-    flow = intent.workflow
-    return _text(flow.thread_id or flow.run_id)
-
-
-def _text(value: str | None, limit: int = 200) -> str | None:
-    """Untrusted text as every store can keep it (see ``_clean``), bounded; None stays None."""
-    return None if value is None else _clean(value[:limit])
-
-
-def _clean(text: str) -> str:
-    """``text`` without NUL and lone surrogates (each becomes U+FFFD).
-
-    PostgreSQL refuses NUL in ``text`` and ``\\u0000`` in ``jsonb``, and UTF-8
-    has no lone surrogates: an audit row holding one could not be written, and
-    the call would go unaudited. Only what the audit log keeps is cleaned; the
-    tool, the lock keys and the args hash see the validated values unchanged.
+    Binds the call's context, runs the tool, refuses to commit under a lease
+    lost meanwhile, and records the result: with the policy's redacted values
+    masked for the store (what a replay returns), in clear for the caller.
     """
-    if "\x00" in text:
-        text = text.replace("\x00", "\ufffd")
-    if not text.isascii():
-        text = "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in text)
-    return text
+
+    __slots__ = ("clear", "guard", "intent", "prepared")
+
+    def __init__(self, guard: ToolGuard, intent: Intent, prepared: _Prepared) -> None:
+        self.guard = guard
+        self.intent = intent
+        self.prepared = prepared
+        self.clear: Any = None
+
+    def sync(self, execute: Callable[[CallContext], Any]) -> Callable[[FencedTransaction], Any]:
+        def body(tx: FencedTransaction) -> Any:
+            with bind(self.guard._context(self.intent, self.prepared, tx)) as ctx:
+                try:
+                    value = execute(ctx)
+                except Exception as error:
+                    raise self._masked(error)  # noqa: B904 - the cause is kept on the error itself
+            return self._record(tx, value)
+
+        return body
+
+    def asynchronous(self, execute: Callable[[CallContext], Awaitable[Any]]
+                     ) -> Callable[[AsyncFencedTransaction], Awaitable[Any]]:
+        async def body(tx: AsyncFencedTransaction) -> Any:
+            with bind(self.guard._context(self.intent, self.prepared, tx)) as ctx:
+                try:
+                    value = await execute(ctx)
+                except Exception as error:
+                    raise self._masked(error)  # noqa: B904 - the cause is kept on the error itself
+            return self._record(tx, value)
+
+        return body
+
+    def _record(self, tx: FencedTransaction | AsyncFencedTransaction, value: Any) -> Any:
+        if tx.lease is not None:
+            tx.lease.check()
+        if not tx.recorded:
+            tx.record(value)
+        self.clear = tx.result
+        secrets = self.prepared.secrets
+        if secrets:
+            tx.record(scrub(self.clear, secrets))
+        return tx.result
+
+    def _masked(self, error: Exception) -> Exception:
+        """``error`` with the redacted values out of its text: the store audits ``str(error)``."""
+        secrets = self.prepared.secrets
+        if not secrets or is_control_flow(error):
+            return error
+        text = str(error)
+        masked = scrub_text(text, secrets)
+        if masked == text:
+            return error
+        if isinstance(error, ToolGuardError):  # keep the type: the flow depends on it
+            error.args = (masked, *error.args[1:])
+            return error
+        wrapped = ToolFailed(f"{type(error).__name__}: {masked}", reason="error")
+        wrapped.__cause__ = error
+        return wrapped
+
+    def decision(self, outcome: Outcome[Any]) -> Decision:
+        result = outcome.value if outcome.replayed else self.clear
+        return _accepted(self.intent, self.prepared, result, outcome.replayed, outcome.tokens)
 
 
-def _storable(value: Any) -> Any:
-    """A JSON value with every string and object key passed through ``_clean``."""
-    if isinstance(value, str):
-        return _clean(value)
-    if isinstance(value, Mapping):
-        return {_clean(str(k)): _storable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_storable(v) for v in value]
-    return value
+def _unknown_tool_text(policy: Policy, name: str) -> str:
+    if policy.defaults.on_unknown_tool == "allow":
+        return (f"tool {name!r} is not in the policy, which allows unknown tools: it will run "
+                f"without locks or fences, known only through the audit log")
+    return (f"tool {name!r} is not in the policy, which denies unknown tools: every call to it "
+            f"will be refused (unknown_tool); add it under tools: in the policy")
+
+
+def _log(decision: Decision) -> None:
+    """Failures go to the log with their detail (the model only gets a short text)."""
+    if decision.kind != "failed":
+        return
+    level = logging.ERROR if isinstance(decision.error, ConfigurationError) else logging.WARNING
+    log.log(level, "%s %s: %s", storable_text(decision.intent.tool), decision.reason,
+            storable_text(decision.message, 2_000))
 
 
 class _OrderWait:
@@ -462,56 +529,8 @@ def _accepted(intent: Intent, prepared: _Prepared, result: Any, replayed: bool,
                     idempotency_key=prepared.record.idempotency_key)
 
 
-def _refusal(intent: Intent, prepared: _Prepared | None, error: Exception) -> Decision:
-    if isinstance(error, ToolGuardError):
-        typed = error
-    else:  # a bug or an unexpected failure in the tool: refused, audited, never crashes the graph
-        typed = ToolFailed(f"{type(error).__name__}: {error}", reason="error")
-        typed.__cause__ = error
-    if isinstance(typed, IntentRejected | LockError) or typed.reason == "stale_fencing_token":
-        kind: DecisionKind = "rejected"
-    elif isinstance(typed, BackendUnavailable):
-        kind = "failed"
-    elif isinstance(typed, StoreError) and typed.reason in ("idempotency_conflict",):
-        kind = "rejected"
-    else:
-        kind = "failed"
-    return Decision(kind=kind, reason=typed.reason, intent=intent, message=typed.message,
-                    keys=prepared.keys if prepared else (),
-                    idempotency_key=prepared.record.idempotency_key if prepared else None,
-                    error=typed)
-
-
 def _unknown(intent: Intent, prepared: _Prepared, error: BaseException) -> Decision:
     reason = "interrupted" if isinstance(error, Exception) else "cancelled"
     return Decision(kind="unknown", reason=reason, intent=intent, message=type(error).__name__,
                     keys=prepared.keys, idempotency_key=prepared.record.idempotency_key)
 
-
-def _entry(decision: Decision, prepared: _Prepared | None, started: float) -> AuditEntry:
-    intent = decision.intent
-    if prepared is not None:
-        args: Any = prepared.record.args
-    else:  # never validated: keep only its shape, never the raw (maybe huge, maybe secret) values
-        args = {"_unvalidated": _shape(intent.args)}
-    return AuditEntry(
-        decision=decision.kind, reason=decision.reason, tool=_text(intent.tool),
-        agent=_text(intent.agent) or None, intent_id=_text(intent.call_id or intent.id),
-        idempotency_key=decision.idempotency_key, workflow=_workflow(intent),
-        keys=decision.keys, tokens=dict(decision.tokens), args=args,
-        detail=_text(decision.message, limit=2000) or None,
-        duration_ms=round((time.monotonic() - started) * 1000, 3),
-        node_attempt=intent.node_attempt)
-
-
-def _shape(value: Any, depth: int = 0) -> Any:
-    """A redacted outline of untrusted input: types and sizes, no values."""
-    if depth > 2:
-        return "..."
-    if isinstance(value, Mapping):
-        return {_clean(str(k)[:40]): _shape(v, depth + 1) for k, v in list(value.items())[:20]}
-    if isinstance(value, list | tuple):
-        return f"list[{len(value)}]"
-    if isinstance(value, str):
-        return f"str[{len(value)}]"
-    return type(value).__name__

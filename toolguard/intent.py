@@ -16,7 +16,7 @@ import json
 import math
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
@@ -26,31 +26,47 @@ from toolguard.errors import InvalidArguments
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "MAX_KEY_BYTES",
     "IdempotencyKeyFn",
+    "IdempotencyScope",
     "Intent",
     "Limits",
+    "Origin",
     "WorkflowIdentity",
     "args_hash",
+    "bounded_key",
     "canonical_json",
     "check_limits",
     "default_idempotency_key",
     "json_args",
+    "node_path",
 ]
 
 #: ``(intent) -> key``; ``None`` means "no stable identity", see ``default_idempotency_key``.
 IdempotencyKeyFn = Callable[["Intent"], "str | None"]
 
+#: Who built the intent: a model's tool call (ToolNode, ``create_agent``, a LangChain tool
+#: invoked with a tool call) or a direct Python call. Only a Python call may lack an id.
+Origin = Literal["model", "python"]
+
+#: How far a tool-call id is unique (``default_idempotency_key``).
+IdempotencyScope = Literal["thread", "task"]
+
+#: Longer idempotency keys are hashed (``bounded_key``): they must fit a database index.
+MAX_KEY_BYTES = 512
+
 
 class WorkflowIdentity(BaseModel):
     """Where the call happened; the stable parts make the default idempotency key.
 
-    Maps to LangGraph's ``runtime.execution_info``: ``thread_id`` and
-    ``checkpoint_ns`` survive interrupt/resume, ``run_id`` identifies one
-    invocation (the fallback without a checkpointer). ``checkpoint_id`` is kept
-    for the audit log only: it changes on every step.
+    Maps to LangGraph's ``runtime.execution_info``: ``thread_id`` survives
+    interrupt/resume, ``checkpoint_ns`` names the node path and the task
+    (``scorer:<task id>|tools:<task id>``; the task ids change every superstep),
+    ``run_id`` identifies one invocation (the fallback without a checkpointer).
+    ``checkpoint_id`` is kept for the audit log only: it changes on every step.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     thread_id: str | None = None
     checkpoint_ns: str = ""
@@ -64,10 +80,14 @@ class Intent(BaseModel):
     ``args`` is kept exactly as received (any JSON-ish value, possibly hostile);
     treat it as read-only. ``id`` names this attempt in the audit log;
     ``node_attempt`` is audited but never part of the idempotency key, since it
-    grows on retries of the same intent.
+    grows on retries of the same intent. Fields are typed strictly (``7`` is
+    not a call id); build intents from untrusted envelopes with
+    ``from_tool_call`` or ``toolguard.envelope.untrusted_intent``, which never
+    raise: a broken envelope is kept as ``problem`` and refused by the guard as
+    ``invalid_intent``.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     tool: str
     args: Any = Field(default_factory=dict)
@@ -76,19 +96,48 @@ class Intent(BaseModel):
     workflow: WorkflowIdentity = Field(default_factory=WorkflowIdentity)
     node_attempt: NonNegativeInt = 1
     id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    origin: Origin = "model"
+    problem: str | None = None
 
     @classmethod
-    def from_tool_call(cls, call: Mapping[str, Any], *, agent: str | None = None,
-                       workflow: WorkflowIdentity | None = None, node_attempt: int = 1) -> Intent:
-        """Build from a LangChain-style ``{"name", "args", "id"}`` tool call."""
-        call_id = call.get("id")
-        return cls(tool=str(call.get("name", "")), args=call.get("args", {}),
-                   call_id=None if call_id is None else str(call_id), agent=agent,
-                   workflow=workflow or WorkflowIdentity(), node_attempt=node_attempt)
+    def from_tool_call(cls, call: Any, *, agent: Any = None,
+                       workflow: WorkflowIdentity | None = None, node_attempt: Any = 1,
+                       origin: Origin = "model") -> Intent:
+        """Build from a LangChain-style ``{"name", "args", "id"}`` tool call; never raises."""
+        from toolguard.envelope import untrusted_intent
+
+        flow = workflow or WorkflowIdentity()
+        fields = call if isinstance(call, Mapping) else {}
+        return untrusted_intent(
+            tool=fields.get("name"), args=fields.get("args", {}), call_id=fields.get("id"),
+            agent=agent, thread_id=flow.thread_id, checkpoint_ns=flow.checkpoint_ns,
+            checkpoint_id=flow.checkpoint_id, run_id=flow.run_id, node_attempt=node_attempt,
+            origin=origin)
 
 
-def default_idempotency_key(intent: Intent) -> str | None:
-    """``thread/checkpoint_ns/call_id``, else ``run/call_id``; ``None`` without a stable identity.
+def node_path(checkpoint_ns: str) -> str:
+    """The agent/node path of a LangGraph checkpoint namespace: its task ids left out.
+
+    ``scorer:1f0c...|tools:9a1b...`` -> ``scorer|tools``. LangGraph forbids ``|``
+    and ``:`` in node names, so the path is exact; it stays the same across
+    supersteps, retries and resumes, and differs between two agents or subgraphs.
+    """
+    if ":" not in checkpoint_ns:
+        return checkpoint_ns
+    return "|".join(part.split(":", 1)[0] for part in checkpoint_ns.split("|"))
+
+
+def default_idempotency_key(intent: Intent, scope: IdempotencyScope = "thread") -> str | None:
+    """``thread:<thread>/<node path>/<call id>``, else ``run:<run>/...``; ``None`` without one.
+
+    Providers' tool-call ids are unique within a conversation, so with the
+    default ``scope="thread"`` a call id seen again in the same thread and on the
+    same agent/node path (``node_path``: the checkpoint namespace without its
+    task ids) is the same intent: a replay when the arguments match, a conflict
+    when they do not, in any later superstep. Two agents or subgraphs that reuse
+    ids stay apart, since their paths differ. ``scope="task"`` keeps the task
+    ids (the whole namespace): for frameworks that reuse call ids across the
+    turns of one thread; it still recognises retries and resumes of one task.
 
     Each part is percent-encoded, so ``/`` inside an id cannot make two
     different identities share a key. ``None`` (no call id, or neither a thread
@@ -98,15 +147,38 @@ def default_idempotency_key(intent: Intent) -> str | None:
     if not intent.call_id:
         return None
     flow = intent.workflow
+    where = flow.checkpoint_ns if scope == "task" else node_path(flow.checkpoint_ns)
     if flow.thread_id:
-        return f"thread:{_part(flow.thread_id)}/{_part(flow.checkpoint_ns)}/{_part(intent.call_id)}"
+        return f"thread:{_part(flow.thread_id)}/{_part(where)}/{_part(intent.call_id)}"
     if flow.run_id:
-        return f"run:{_part(flow.run_id)}/{_part(intent.call_id)}"
+        return f"run:{_part(flow.run_id)}/{_part(where)}/{_part(intent.call_id)}"
     return None
 
 
 def _part(text: str) -> str:
-    return quote(text, safe="")
+    return quote(text, safe="", errors="surrogatepass")
+
+
+_HASHED = "%h"  # never in a percent-encoded key: there ``%`` is followed by two hex digits
+
+
+def bounded_key(key: str) -> str:
+    """``key`` as an index can hold it: unchanged when short and plain, else hashed.
+
+    A key longer than ``MAX_KEY_BYTES`` in UTF-8 (a 256-character id of emoji
+    is 3,072 bytes percent-encoded), or holding NUL or a lone surrogate (only a
+    custom key function can produce those), becomes ``<first 64 characters,
+    ASCII>%h<SHA-256 of the whole key>``. Keys built by toolguard never contain
+    ``%h``, and a key that does is hashed too, so the mapping stays injective.
+    """
+    try:
+        raw, plain = key.encode("utf-8"), "\x00" not in key
+    except UnicodeEncodeError:
+        raw, plain = key.encode("utf-8", "surrogatepass"), False
+    if plain and len(raw) <= MAX_KEY_BYTES and _HASHED not in key:
+        return key
+    shown = key[:64].encode("ascii", "backslashreplace").decode("ascii")[:64].replace("\x00", "")
+    return f"{shown}{_HASHED}{hashlib.sha256(raw).hexdigest()}"
 
 
 # --- validated arguments: canonical form and hash ---------------------------------
@@ -217,7 +289,7 @@ def _string_size(text: str, path: str, limits: Limits, *, what: str) -> int:
     if len(text) > limits.max_string:
         _reject(f"{path}: {what} longer than {limits.max_string}")
     try:
-        encoded = json.encoder.encode_basestring(text).encode("utf-8")  # type: ignore[attr-defined]
+        encoded = json.encoder.encode_basestring(text).encode("utf-8")
     except UnicodeEncodeError:
         _reject(f"{path}: {what} is not valid Unicode (lone surrogate)")
     return len(encoded)

@@ -34,7 +34,6 @@ from toolguard.demo.lead_qualifier import (
     ScriptedAgentModel,
     expected_crm_records,
     expected_records,
-    stable_idempotency_key,
 )
 from toolguard.demo.lead_qualifier import run_pipeline as _run_pipeline
 
@@ -54,7 +53,6 @@ __all__ = [
     "expected_crm_records",
     "expected_records",
     "run_pipeline",
-    "stable_idempotency_key",
 ]
 
 HERE = Path(__file__).resolve().parent

@@ -126,7 +126,7 @@ def _transaction(store: Any) -> Iterator[Any]:
     guard with the fence, the intent record and the audit row. Unguarded: what tool code
     usually does, each statement on its own on the raw connection."""
     ctx = current_or_none()
-    if ctx is not None and ctx.tx is not None:
+    if ctx is not None and ctx.fenced:
         yield ctx.tx.execute  # %s placeholders on every store
         return
     with store.connection() as conn:  # the raw SQLite connection: ? placeholders, autocommit

@@ -19,7 +19,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
 from toolguard.guard import ToolGuard
-from toolguard.locks import connect
+from toolguard.locks import connect, connect_async
 from toolguard.policies import Policy
 from toolguard.store import AuditEntry, open_async_store, open_store
 
@@ -43,16 +43,17 @@ class Guarded:
 
 @pytest.fixture
 def guarded(tmp_path: Path) -> Iterator[Callable[[Mapping[str, Any]], Guarded]]:
-    """``guarded(policy)``: a guard with sync locks and store, and an asyncio store."""
+    """``guarded(policy)``: a guard with both pairs (sync and asyncio locks and store) on one database."""
     opened: list[Any] = []
 
     def make(policy: Mapping[str, Any]) -> Guarded:
         url = f"sqlite:///{tmp_path / 'store.db'}"
         store = open_store(url, install=True)
-        locks = connect(f"sqlite:///{tmp_path / 'locks.db'}")
+        lock_url = f"sqlite:///{tmp_path / 'locks.db'}"
+        locks = connect(lock_url)
         opened.extend([store, locks])
         guard = ToolGuard(Policy.from_dict(dict(policy)), locks=locks, store=store,
-                          async_store=open_async_store(url))
+                          async_locks=connect_async(lock_url), async_store=open_async_store(url))
         return Guarded(guard)
 
     yield make

@@ -22,6 +22,7 @@ from langgraph.prebuilt import ToolNode
 
 from adapters.conftest import MODES, ai, answers, one_node, read_only, run, tool_call
 from toolguard.adapters import GuardedToolCalls, ToolGuardMiddleware
+from toolguard.errors import UnknownToolWarning
 
 Wrapper = Callable[[Any, Callable[[Any], Any]], Any]
 
@@ -125,7 +126,8 @@ def test_innermost_a_substituted_tool_outside_the_policy_is_refused(guarded, mod
     app = one_node(node([add], GuardedToolCalls(g.guard, agent="t"),
                         *substituting(lookup(ran), []), toolguard="innermost"))
 
-    out = run(app, mode, ai(tool_call("lookup", {"key": "k"})))
+    with pytest.warns(UnknownToolWarning, match="'lookup' is not in the policy"):
+        out = run(app, mode, ai(tool_call("lookup", {"key": "k"})))
 
     message = answers(out)["c1"]
     assert message.content.startswith("rejected by toolguard (unknown_tool)")

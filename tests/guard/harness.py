@@ -10,11 +10,13 @@ order, with the fencing token it was written under).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +29,7 @@ from toolguard.policies import Policy
 from toolguard.store import AuditEntry, GuardedStore, open_async_store, open_store
 from toolguard.store.base import qmark
 
-__all__ = ["KINDS", "Backend", "Harness", "Probe", "wait_until"]
+__all__ = ["KINDS", "Backend", "Harness", "HarnessFactory", "LoopThread", "Probe", "wait_until"]
 
 KINDS = ("sqlite", "postgresql")
 
@@ -99,7 +101,7 @@ class Harness:
 
     def sql(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """One statement outside any fenced transaction (``%s`` placeholders on both stores)."""
-        with self.store.connection() as conn:  # type: ignore[attr-defined]
+        with self.store.connection() as conn:
             text = qmark(query) if self.backend.kind == "sqlite" else query
             cursor = conn.execute(text, tuple(params))
             return [tuple(row) for row in cursor.fetchall()] if cursor.description else []
@@ -110,7 +112,7 @@ class Harness:
     def effects(self, tool: str | None = None) -> list[tuple[str, str, int, str | None, int]]:
         """``(tool, lead, delta, call, token)`` per applied effect, in commit order."""
         rows = self.sql("SELECT tool, lead, delta, call, token FROM effect ORDER BY seq")
-        return [r for r in rows if tool is None or r[0] == tool]  # type: ignore[misc]
+        return [(r[0], r[1], r[2], r[3], r[4]) for r in rows if tool is None or r[0] == tool]
 
     def audit(self, **filters: Any) -> list[AuditEntry]:
         """Audit rows, oldest first."""
@@ -146,6 +148,38 @@ class Harness:
         with contextlib.suppress(Exception):
             self.locks.close()
         self.store.close()
+
+
+#: The ``harness`` fixture: ``harness(policy, **options) -> Harness``.
+HarnessFactory = Callable[..., "Harness"]
+
+
+class LoopThread:
+    """An event loop in a thread of its own, with the harness's async edges open on it.
+
+    Lets a synchronous test (a hypothesis property) drive the async path many
+    times without opening a store and a lock manager for every example.
+    """
+
+    def __init__(self, harness: Harness) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self.thread.start()
+        self._edges = harness.async_edges()
+        self.run(self._edges.__aenter__())
+
+    def run(self, coroutine: Coroutine[Any, Any, Any], timeout_s: float = 60.0) -> Any:
+        future: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(coroutine,
+                                                                                   self.loop)
+        return future.result(timeout_s)
+
+    def close(self) -> None:
+        try:
+            self.run(self._edges.__aexit__(None, None, None))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
 
 
 class Probe:

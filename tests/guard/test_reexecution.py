@@ -61,7 +61,7 @@ def approval_tool(asked: Counter[str]) -> BaseTool:
         asked[lead_id] += 1
         answer = interrupt({"lead": lead_id, "pct": pct})
         ctx = current()
-        await ctx.tx.execute(EFFECT, ("approve_discount", lead_id, pct, ctx.intent.call_id,
+        await ctx.atx.execute(EFFECT, ("approve_discount", lead_id, pct, ctx.intent.call_id,
                                       max(ctx.tokens.values())))
         return f"discount {pct}% on {lead_id}: {answer}"
 

@@ -104,7 +104,7 @@ def test_parallel_calls_in_one_tool_node_keep_their_order(harness, mode: str) ->
 
     async def aattach_log(ticket_id: str) -> str:
         ctx = current()
-        await ctx.tx.execute(EFFECT, ("attach_log", ticket_id, 0, ctx.intent.call_id, 1))
+        await ctx.atx.execute(EFFECT, ("attach_log", ticket_id, 0, ctx.intent.call_id, 1))
         return "attached"
 
     def close_ticket(ticket_id: str) -> str:
@@ -114,7 +114,7 @@ def test_parallel_calls_in_one_tool_node_keep_their_order(harness, mode: str) ->
 
     async def aclose_ticket(ticket_id: str) -> str:
         ctx = current()
-        await ctx.tx.execute(EFFECT, ("close_ticket", ticket_id, 0, ctx.intent.call_id, 2))
+        await ctx.atx.execute(EFFECT, ("close_ticket", ticket_id, 0, ctx.intent.call_id, 2))
         return "closed"
 
     tools = [StructuredTool.from_function(func=attach_log, coroutine=aattach_log),

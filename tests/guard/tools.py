@@ -1,7 +1,7 @@
 """The tools, fake model and graphs the guard tests drive.
 
 Every tool writes through ``toolguard.context.current().tx`` (the fenced
-transaction) and brackets its body with ``Probe.visit`` so a test can see how
+transaction; ``.atx`` in async bodies) and brackets its body with ``Probe.visit`` so a test can see how
 many bodies ran at once. ``add_score`` is a read-modify-write with a pause
 between the read and the write: two bodies inside at once on one lead would
 lose an update, so an exact final score proves they were serialized.
@@ -56,11 +56,11 @@ AsyncHook = Callable[[str], Awaitable[None]]
 class ScriptedModel(GenericFakeChatModel):
     """``GenericFakeChatModel`` that accepts ``bind_tools`` (``create_agent`` calls it)."""
 
-    def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedModel:  # type: ignore[override]
+    def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedModel:
         return self
 
 
-def scripted(*turns: BaseMessage) -> ScriptedModel:
+def scripted(*turns: AIMessage) -> ScriptedModel:
     return ScriptedModel(messages=iter(list(turns)))
 
 
@@ -119,11 +119,11 @@ class LeadTools:
         with self.probe.visit(lead_id):
             if lead_id in self.ahooks:
                 await self.ahooks[lead_id](lead_id)
-            row = await (await ctx.tx.execute(READ, (lead_id,))).fetchone()
+            row = await (await ctx.atx.execute(READ, (lead_id,))).fetchone()
             score = (int(row[0]) if row else 0) + delta
             await asyncio.sleep(self.pause_s)
-            await ctx.tx.execute(UPSERT, (lead_id, score))
-            await ctx.tx.execute(EFFECT, (tool, lead_id, delta, ctx.intent.call_id,
+            await ctx.atx.execute(UPSERT, (lead_id, score))
+            await ctx.atx.execute(EFFECT, (tool, lead_id, delta, ctx.intent.call_id,
                                           max(ctx.tokens.values())))
         return f"{lead_id}={score}"
 

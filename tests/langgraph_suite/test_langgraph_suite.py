@@ -4,8 +4,9 @@ The suite (the ``tests/`` of the installed ``langgraph-prebuilt`` sdist, fetched
 with pip) runs unmodified in six ways (``suite.VARIANTS``): plain, with a no-op
 wrapper (the control), with toolguard outermost and innermost (its defaults),
 and both again with toolguard's two deliberate differences turned off. Every
-test must end as it does plain, apart from ``differences.DIFFERENCES``, and
-each listed reason must hold. Run alone with ``-m langgraph_suite``.
+test must end as it does plain, apart from ``differences.DIFFERENCES`` (and
+``BARE_DIFFERENCES`` in the runs without the deliberate differences), and each
+listed reason must hold. Run alone with ``-m langgraph_suite``.
 """
 
 from __future__ import annotations
@@ -99,11 +100,24 @@ def test_any_wrapper_differences_are_langgraphs_own(results: suite.Results) -> N
 @pytest.mark.parametrize("composition", ["outermost", "innermost"])
 def test_without_its_deliberate_differences_toolguard_is_a_no_op_wrapper(
         results: suite.Results, composition: str) -> None:
-    """Metadata off and unknown tools allowed: the same outcomes as the no-op wrapper."""
+    """Metadata off and unknown tools allowed: the same outcomes as the no-op wrapper, apart
+    from the calls that have no workflow identity to make an unfenced call exactly-once."""
     plain, bare = results.runs["plain"], results.runs[f"bare-{composition}"]
-    control = differences.expected(composition, ANY_WRAPPER)
-    differing = _differing(results, f"bare-{composition}", control)
-    assert differing == control, _listing(differing ^ control, bare, plain)
+    documented = differences.expected(composition, ANY_WRAPPER) | differences.expected_bare(
+        composition)
+    differing = _differing(results, f"bare-{composition}", documented)
+    assert differing == documented, _listing(differing ^ documented, bare, plain)
+
+
+@pytest.mark.parametrize("composition", ["outermost", "innermost"])
+def test_bare_differences_are_unfenced_calls_without_a_workflow_identity(
+        runs: dict[str, suite.Run], composition: str) -> None:
+    bare = runs[f"bare-{composition}"]
+    listed = differences.expected_bare(composition)
+    assert listed
+    for test in sorted(listed):
+        decisions = bare.tests[test]["decisions"]
+        assert "rejected/missing_idempotency_key" in decisions, (test, decisions)
 
 
 @pytest.mark.parametrize("composition", ["outermost", "innermost"])

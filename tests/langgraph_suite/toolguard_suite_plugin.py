@@ -4,7 +4,10 @@ Loaded into LangGraph's own prebuilt test suite (``-p toolguard_suite_plugin``)
 to check that the wrapper changes nothing a ToolNode user relies on. Every
 ``ToolNode`` built while the suite runs gets a ``ToolGuard`` of its own with the
 most permissive legal policy: each of the node's tools ``read_only: true``,
-agents ``"*"``. The suite's tests are not touched.
+agents ``"*"``. Every guard is built as a user must build one: with a lock
+manager and a store for both paths (embedded SQLite files in
+``TOOLGUARD_SUITE_DIR``), and a host-given agent (``AGENT``). The suite's tests
+are not touched.
 
 Environment:
 
@@ -12,8 +15,8 @@ Environment:
   ``wrap_tool_call``), ``innermost`` (toolguard sits directly around ToolNode's
   ``execute``, inside the test's wrapper), ``passthrough`` (the control: a
   wrapper that does nothing, where toolguard's would be) or ``plain`` (nothing).
-- ``TOOLGUARD_SUITE_DIR``: where the embedded SQLite audit log and
-  ``summary.json`` go. The summary has, per test, its outcome and the
+- ``TOOLGUARD_SUITE_DIR``: where the embedded SQLite store (with the audit
+  log), the lock file and ``summary.json`` go. The summary has, per test, its outcome and the
   decision of every audit row its guarded calls left, with the number of
   calls the wrapper saw (the caller checks one row per call).
 - ``TOOLGUARD_SUITE_UNKNOWN``: the policy's ``on_unknown_tool`` (default ``deny``).
@@ -22,6 +25,7 @@ Environment:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -36,6 +40,7 @@ from langgraph.prebuilt.tool_node import ToolNode
 
 from toolguard import ToolGuard
 from toolguard.adapters import GuardedToolCalls
+from toolguard.locks import connect, connect_async
 from toolguard.policies import Policy
 from toolguard.store import open_async_store, open_store
 
@@ -56,9 +61,11 @@ class _Installer:
         self.on_unknown_tool = on_unknown_tool
         self.metadata = metadata
         self.audit_path = folder / "audit.db"
-        url = f"sqlite:///{self.audit_path}"
+        url, lock_url = f"sqlite:///{self.audit_path}", f"sqlite:///{folder / 'locks.db'}"
         self.store = open_store(url, install=True)
         self.async_store = open_async_store(url)
+        self.locks = connect(lock_url)
+        self.async_locks = connect_async(lock_url)
         self.calls = 0
         self._lock = threading.Lock()
 
@@ -89,7 +96,8 @@ class _Installer:
         if self.composition == "passthrough":
             ours, aours = self._counted(_passthrough), self._acounted(_apassthrough)
         else:
-            guard = ToolGuard(self.policy(node), store=self.store, async_store=self.async_store)
+            guard = ToolGuard(self.policy(node), locks=self.locks, store=self.store,
+                              async_locks=self.async_locks, async_store=self.async_store)
             calls = GuardedToolCalls(guard, agent=AGENT, metadata=self.metadata)
             ours = self._counted(calls.wrap_tool_call)
             aours = self._acounted(calls.awrap_tool_call)
@@ -106,6 +114,15 @@ class _Installer:
             node._wrap_tool_call = _nest(ours, theirs) if outermost else _nest(theirs, ours)
         if atheirs is not None:
             node._awrap_tool_call = _anest(aours, atheirs) if outermost else _anest(atheirs, aours)
+
+    def close(self) -> None:
+        async def close_async() -> None:
+            await self.async_locks.aclose()
+            await self.async_store.close()
+
+        asyncio.run(close_async())
+        self.locks.close()
+        self.store.close()
 
     def audit_rows_after(self, last_id: int) -> tuple[int, list[str]]:
         """``(newest id, ["decision/reason", ...])`` of the audit rows after ``last_id``."""
@@ -220,7 +237,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         recorder.write()
     if _installer is not None:
         ToolNode.__init__ = _original_init  # type: ignore[method-assign]
-        _installer.store.close()
+        _installer.close()
         _installer = None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import pytest
 from etcd3gw.client import Etcd3Client
@@ -32,8 +33,12 @@ def url() -> str:
 
 @pytest.fixture
 def backends(url: str) -> Iterator[list[EtcdBackend]]:
-    """Three independent backend objects, as three processes would have."""
-    made = [EtcdBackend(url) for _ in range(3)]
+    """Three independent backend objects, as three processes would have.
+
+    Their presence window is long (a wait is capped at a third of it), so that a
+    wait here returns early only when the watch wakes it.
+    """
+    made = [EtcdBackend(url, presence_ms=30_000) for _ in range(3)]
     yield made
     for backend in made:
         backend.close()
@@ -353,3 +358,69 @@ def test_lock_and_tokens_survive_losing_the_member_in_use(unique: str) -> None:
         assert lease.token > before
         lease.release()
         locks.close()
+
+
+# --- presence: grants are marked, waiters touch, silent waiters drop out -------------------------
+
+
+def entry_value(url: str, key: str, owner: str) -> bytes | None:
+    name = etcd_keys(key)[0] + quote(owner, safe="").encode()
+    found = raw(url).get(name)
+    return found[0] if found else None
+
+
+def test_the_grant_marks_the_entry_and_waiters_stay_unmarked(url: str, unique: str,
+                                                             backends: list[EtcdBackend]) -> None:
+    holder, waiter, _ = backends
+    key = f"{unique}:marks"
+    owner, late = new_owner(5_000), new_owner(5_000)
+    assert holder.try_acquire(key, owner, 5_000).granted
+    assert not waiter.try_acquire(key, late, 5_000).granted
+    assert entry_value(url, key, owner) == b"h"
+    assert entry_value(url, key, late) == b""
+    holder.renew([(key, owner, 5_000)])
+    assert entry_value(url, key, owner) == b"h"  # a renewal keeps the mark
+    holder.release(key, owner)
+    assert waiter.try_acquire(key, late, 5_000).granted
+    assert entry_value(url, key, late) == b"h"
+    waiter.release(key, late)
+
+
+def test_each_try_of_a_waiter_touches_its_entry(url: str, unique: str,
+                                               backends: list[EtcdBackend]) -> None:
+    holder, waiter, _ = backends
+    key = f"{unique}:touch"
+    owner, late = new_owner(5_000), new_owner(5_000)
+    assert holder.try_acquire(key, owner, 5_000).granted
+    revisions = []
+    for _ in range(3):
+        assert not waiter.try_acquire(key, late, 5_000).granted
+        revisions.append(queue_of(url, key)[1][1])  # create_revision stays: the token
+    mods = [int(meta["mod_revision"]) for _, meta in raw(url).get_prefix(
+        etcd_keys(key)[0], sort_order="ascend", sort_target="create")]
+    assert len(set(revisions)) == 1
+    assert mods[1] > revisions[0], "the waiter's tries did not touch its entry"
+    holder.release(key, owner)
+    waiter.release(key, late)
+
+
+def test_a_silent_waiter_ahead_drops_out_after_its_presence_window_a_holder_does_not(
+        url: str, unique: str, backends: list[EtcdBackend]) -> None:
+    holder, ghost, waiter = backends
+    key = f"{unique}:presence"
+    owner = new_owner(20_000)
+    assert holder.try_acquire(key, owner, 20_000).granted
+    dead = new_owner(20_000, 500)  # 20 s TTL, 500 ms presence window; it never tries again
+    assert not ghost.try_acquire(key, dead, 20_000).granted
+    late = new_owner(20_000, 500)
+    started = time.monotonic()
+    while entry_value(url, key, dead) is not None:
+        assert not waiter.try_acquire(key, late, 20_000).granted  # the holder stays
+        holder.renew([(key, owner, 20_000)])
+        assert time.monotonic() - started < 0.5 + SLACK_S, "the silent waiter was not removed"
+        time.sleep(0.05)
+    assert time.monotonic() - started >= 0.5 * 0.98, "removed before its presence window"
+    assert entry_value(url, key, owner) == b"h"
+    holder.release(key, owner)
+    assert waiter.try_acquire(key, late, 20_000).granted
+    waiter.release(key, late)

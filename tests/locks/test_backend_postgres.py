@@ -13,15 +13,22 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from toolguard.errors import BackendUnavailable
-from toolguard.locks import connect_async, open_backend
+from toolguard.errors import BackendUnavailable, ConfigurationError
+from toolguard.locks import connect, connect_async, open_backend
 from toolguard.locks.base import new_owner
-from toolguard.locks.postgres import SCHEMA_MARK, PostgresBackend
+from toolguard.locks.postgres import (
+    SCHEMA_MARK,
+    SCHEMA_VERSION,
+    PostgresBackend,
+    install_lock_schema,
+    lock_schema_version,
+)
 
 SLACK_S = 1.0
 STORE_TABLES = {"toolguard_fence", "toolguard_intent", "toolguard_audit", "toolguard_schema_version"}
@@ -67,12 +74,14 @@ def test_schema_is_created_once_with_its_own_table_names(postgres_url: str) -> N
     for backend in racers:
         backend.close()
     assert errors == []
-    tables = {row[0] for row in sql(postgres_url, "SELECT tablename FROM pg_tables "
-                                                  "WHERE tablename LIKE 'toolguard_lock%%'")}
+    tables = {row[0] for row in sql(postgres_url, "SELECT tablename FROM pg_tables WHERE "
+                                                  "schemaname = 'public' AND tablename LIKE "
+                                                  "'toolguard_lock%%'")}
     assert tables == {"toolguard_lock_fence", "toolguard_lock_holder", "toolguard_lock_waiter"}
     assert not tables & STORE_TABLES
-    mark = sql(postgres_url, "SELECT obj_description(to_regprocedure("
-               "'toolguard_lock_acquire(text,text,integer,integer,text)'), 'pg_proc')")
+    assert lock_schema_version(postgres_url) == SCHEMA_VERSION
+    mark = sql(postgres_url, "SELECT obj_description(to_regprocedure('public.toolguard_lock_acquire"
+                             "(text,text,integer,integer,integer,text)'), 'pg_proc')")
     assert mark == [(SCHEMA_MARK,)]
 
 
@@ -273,3 +282,161 @@ def test_renew_is_one_statement_and_uses_database_time(postgres_url: str, unique
     left = sql(postgres_url, "SELECT extract(epoch FROM expires_at - clock_timestamp()) "
                              "FROM toolguard_lock_holder WHERE key = %s", held[0][0])
     assert 1.5 < float(left[0][0]) <= 2.0
+
+
+# --- schema= and the explicit install step -----------------------------------------------------------
+
+V1_SQL = (Path(__file__).parent / "data" / "lock_schema_v1.sql").read_text()
+
+
+@pytest.fixture
+def lock_schema(postgres_url: str, unique: str) -> Iterator[str]:
+    """A schema name private to the test (dropped afterwards)."""
+    name = f"tg_locks_{unique}"
+    yield name
+    sql(postgres_url, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def objects_in(url: str, schema: str) -> tuple[set[str], set[str]]:
+    tables = {row[0] for row in sql(url, "SELECT tablename FROM pg_tables WHERE schemaname = %s",
+                                    schema)}
+    functions = {row[0] for row in sql(url, "SELECT p.proname FROM pg_proc p JOIN pg_namespace n "
+                                            "ON n.oid = p.pronamespace WHERE n.nspname = %s",
+                                       schema)}
+    return tables, functions
+
+
+def test_schema_option_keeps_tables_and_functions_in_that_schema(postgres_url: str, unique: str,
+                                                                 lock_schema: str) -> None:
+    backend = PostgresBackend(postgres_url, schema=lock_schema)
+    try:
+        assert backend.schema_version() == 0
+        assert backend.install() == SCHEMA_VERSION
+        assert backend.install() == SCHEMA_VERSION  # idempotent
+        assert backend.schema_version() == SCHEMA_VERSION
+    finally:
+        backend.close()
+    tables, functions = objects_in(postgres_url, lock_schema)
+    assert tables == {"toolguard_lock_fence", "toolguard_lock_holder", "toolguard_lock_waiter"}
+    assert {"toolguard_lock_acquire", "toolguard_lock_release", "toolguard_lock_grant",
+            "toolguard_lock_pass"} <= functions
+    key = f"{unique}:in-schema"
+    with connect(postgres_url, schema=lock_schema) as locks, locks.acquire(key) as lease:
+        stored = sql(postgres_url, f'SELECT token FROM "{lock_schema}".toolguard_lock_fence '
+                                   "WHERE key = %s", key)
+        assert stored == [(lease.token,)]
+        assert sql(postgres_url, "SELECT count(*) FROM public.toolguard_lock_fence WHERE key = %s",
+                   key) == [(0,)]
+
+
+def test_the_module_level_install_needs_no_manager(postgres_url: str, lock_schema: str) -> None:
+    assert lock_schema_version(postgres_url, schema=lock_schema) == 0
+    assert install_lock_schema(postgres_url, schema=lock_schema) == SCHEMA_VERSION
+    assert lock_schema_version(postgres_url, schema=lock_schema) == SCHEMA_VERSION
+    assert objects_in(postgres_url, lock_schema)[0]
+
+
+def test_first_use_installs_the_schema_lazily(postgres_url: str, unique: str,
+                                              lock_schema: str) -> None:
+    with connect(postgres_url, schema=lock_schema) as locks, locks.acquire(f"{unique}:lazy"):
+        pass
+    assert lock_schema_version(postgres_url, schema=lock_schema) == SCHEMA_VERSION
+
+    async def main() -> None:
+        other = f"{lock_schema}_a"
+        try:
+            manager = connect_async(postgres_url, schema=other)
+            try:
+                async with manager.acquire(f"{unique}:alazy"):
+                    pass
+            finally:
+                await manager.aclose()
+            assert lock_schema_version(postgres_url, schema=other) == SCHEMA_VERSION
+        finally:
+            sql(postgres_url, f'DROP SCHEMA IF EXISTS "{other}" CASCADE')
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x;drop table t", 'q"uote', "1abc", "a" * 64, 7])
+def test_schema_must_be_a_plain_identifier(postgres_url: str, bad: object) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        PostgresBackend(postgres_url, schema=bad)  # type: ignore[arg-type]
+    assert repr(bad) in str(caught.value)
+    with pytest.raises(ConfigurationError):
+        connect(postgres_url, schema=bad)
+
+
+def test_upgrade_from_lock_schema_1_keeps_the_tokens(postgres_url: str, unique: str,
+                                                     lock_schema: str) -> None:
+    key = f"{unique}:upgrade"
+    high = 10**17  # far above the clock: the next token must come from the kept counter
+    with psycopg.connect(postgres_url, autocommit=True) as conn, conn.transaction():
+        conn.execute(f'CREATE SCHEMA "{lock_schema}"')
+        conn.execute(f'SET LOCAL search_path TO "{lock_schema}"')
+        conn.execute(V1_SQL)
+        conn.execute("INSERT INTO toolguard_lock_fence (key, token) VALUES (%s, %s)", (key, high))
+    assert lock_schema_version(postgres_url, schema=lock_schema) == 1
+    assert install_lock_schema(postgres_url, schema=lock_schema) == SCHEMA_VERSION
+    assert lock_schema_version(postgres_url, schema=lock_schema) == SCHEMA_VERSION
+    with connect(postgres_url, schema=lock_schema) as locks, locks.acquire(key) as lease:
+        assert lease.token == high + 1
+    # A client of lock schema 1 still running through the upgrade keeps working, on the
+    # same tables: its acquire function stays (a separate overload). Its SQL is
+    # unqualified: such a client finds the schema through its search_path.
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{lock_schema}"')
+        row = conn.execute("SELECT token FROM toolguard_lock_acquire(%s, %s, 1000, 2000, 'x')",
+                           (key, "old-client:1000")).fetchone()
+    assert row is not None and row[0] > high + 1
+
+
+def test_a_lock_schema_dropped_under_a_running_backend_is_installed_again(
+        postgres_url: str, unique: str, lock_schema: str) -> None:
+    with connect(postgres_url, schema=lock_schema) as locks:
+        with locks.acquire(f"{unique}:before") as lease:
+            before = lease.token
+        sql(postgres_url, f'DROP SCHEMA "{lock_schema}" CASCADE')  # e.g. a restore from a backup
+        with locks.acquire(f"{unique}:after") as lease:
+            assert lease.token > before
+        sql(postgres_url, f'DROP TABLE "{lock_schema}".toolguard_lock_waiter')  # one piece only
+        with locks.acquire(f"{unique}:after") as lease:
+            assert lease.token > before
+
+
+def test_a_hand_off_lasts_the_waiters_hand_off_ttl(postgres_url: str, unique: str,
+                                                   backends: list[PostgresBackend]) -> None:
+    holder, waiter, _ = backends
+    key = f"{unique}:handoff-ttl"
+    owner, late = new_owner(30_000), new_owner(30_000, 700)
+    assert holder.try_acquire(key, owner, 30_000).granted
+    assert not waiter.try_acquire(key, late, 30_000).granted
+    holder.release(key, owner)
+    left = sql(postgres_url, "SELECT owner, extract(epoch FROM expires_at - clock_timestamp()) "
+                             "FROM toolguard_lock_holder WHERE key = %s", key)
+    assert left[0][0] == late and 0 < float(left[0][1]) <= 0.7
+    # Asking again while holding extends the grant to the full TTL from now.
+    token = waiter.try_acquire(key, late, 30_000).token
+    assert token == holder.current_token(key)
+    left = sql(postgres_url, "SELECT extract(epoch FROM expires_at - clock_timestamp()) "
+                             "FROM toolguard_lock_holder WHERE key = %s", key)
+    assert float(left[0][0]) > 29
+    waiter.release(key, late)
+
+
+def test_a_notification_older_than_the_last_queued_answer_is_dropped(
+        unique: str, backends: list[PostgresBackend]) -> None:
+    holder, waiter, _ = backends
+    key = f"{unique}:stale-notify"
+    owner, late = new_owner(30_000), new_owner(30_000)
+    assert holder.try_acquire(key, owner, 30_000).granted
+    assert not waiter.try_acquire(key, late, 30_000).granted
+    last = holder.current_token(key)
+    listener = waiter._listener
+    assert listener is not None
+    listener._deliver(f"{late} {last} {key}")  # a hand-off as old as the last grant seen
+    assert waiter.wait(key, late, 0.2) is None
+    listener._deliver(f"{late} {last + 1} {key}")  # one granted after that answer
+    assert waiter.wait(key, late, 0.2) == last + 1
+    holder.release(key, owner)
+    waiter.release(key, late)

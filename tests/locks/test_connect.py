@@ -34,3 +34,28 @@ def test_unknown_scheme_is_a_configuration_error() -> None:
         connect("mongodb://localhost")
     with pytest.raises(ConfigurationError):
         connect("sqlite:///")
+
+
+def test_a_stale_hand_off_datagram_is_dropped(tmp_path) -> None:
+    import socket
+
+    from toolguard.locks.base import new_owner
+    from toolguard.locks.sqlite import SqliteBackend
+
+    backend = SqliteBackend(tmp_path / "locks.db")
+    try:
+        owner, late = new_owner(30_000), new_owner(30_000)
+        assert backend.try_acquire("k", owner, 30_000).granted
+        assert backend.try_acquire("k2", owner, 30_000).granted
+        assert not backend.try_acquire("k", late, 30_000).granted
+        assert not backend.try_acquire("k2", late, 30_000).granted
+        last = backend.current_token("k")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(str(last).encode(), backend._wake_address(late, "k"))  # over already
+            sock.sendto(b"garbage", backend._wake_address(late, "k"))
+            sock.sendto(str(last + 7).encode(), backend._wake_address(late, "k2"))  # another key
+            assert backend.wait("k", late, 0.3) is None
+            sock.sendto(str(last + 1).encode(), backend._wake_address(late, "k"))
+            assert backend.wait("k", late, 0.3) == last + 1
+    finally:
+        backend.close()

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 import toolguard.locks.manager as manager_module
-from locks.backends import LockEnv
+from locks.backends import QUIET_POLL_S, LockEnv
 from toolguard.errors import ConfigurationError, LockLost, LockTimeout, NotOwned
 from toolguard.locks import Lease, LockManager, connect, heartbeat
 
@@ -309,14 +309,16 @@ def test_contending_threads_get_balanced_turns(backend: LockEnv) -> None:
     assert min(per_thread) / max(per_thread) >= 0.5, per_thread
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_waiter_is_woken_by_the_release_not_by_polling(backend: LockEnv, monkeypatch) -> None:
-    """With the fallback poll at 30 s and a 20 s TTL, only a wake-up can hand over in time."""
+    """With every fallback poll at least QUIET_POLL_S apart, only a wake-up can hand over
+    within 10 s."""
     monkeypatch.setattr(manager_module, "MAX_POLL_S", 30.0)
     key = backend.key("wake")
-    holder, waiter = backend.manager(), backend.manager()
+    holder, waiter = backend.quiet_manager(), backend.quiet_manager()
+    assert QUIET_POLL_S > 10
     for _ in range(3):
-        lease = holder.acquire(key, ttl_ms=20_000)
+        lease = holder.acquire(key)
         got: list[Lease] = []
         thread = threading.Thread(target=lambda got=got: got.append(waiter.acquire(key, timeout_s=25)))
         thread.start()
@@ -364,3 +366,96 @@ def test_raise_floor_makes_the_next_token_exceed_it(backend: LockEnv) -> None:
     locks.raise_floor(key, before)  # a lower floor never lowers the counter
     with locks.acquire(key) as lease:
         assert lease.token > floor
+
+
+WAIT_OPTIONS = ["timeout_s", "round_wait_s", "backoff_base_s", "backoff_cap_s"]
+BAD_SECONDS = [-1, -0.001, float("nan"), float("inf"), "5", True, None, [1]]
+
+
+@pytest.mark.parametrize("option", WAIT_OPTIONS)
+def test_bad_wait_options_are_configuration_errors_naming_the_value(backend: LockEnv,
+                                                                    option: str) -> None:
+    for bad in BAD_SECONDS:
+        with pytest.raises(ConfigurationError) as caught:
+            connect(backend.url, **{option: bad})
+        assert option in str(caught.value) and repr(bad) in str(caught.value)
+    if option != "timeout_s":
+        return
+    locks = backend.manager()
+    for bad in BAD_SECONDS:
+        if bad is None:  # None per call means "the manager's default"
+            continue
+        with pytest.raises(ConfigurationError) as caught:
+            locks.acquire(backend.key("k"), timeout_s=bad)  # type: ignore[arg-type]
+        assert "timeout_s" in str(caught.value) and repr(bad) in str(caught.value)
+    with locks.acquire(backend.key("k"), timeout_s=0) as lease:  # zero: one try, no wait
+        assert lease.token
+
+
+def test_round_wait_must_be_positive_and_the_backoff_cap_above_its_base(backend: LockEnv) -> None:
+    with pytest.raises(ConfigurationError, match="round_wait_s"):
+        connect(backend.url, round_wait_s=0)
+    with pytest.raises(ConfigurationError, match="backoff_cap_s"):
+        connect(backend.url, backoff_base_s=0.5, backoff_cap_s=0.1)
+
+
+@pytest.mark.parametrize("keys", [42, [42], b"lead:1", None, [["a"]], 4.2, object()])
+def test_keys_of_the_wrong_type_are_configuration_errors(backend: LockEnv, keys: object) -> None:
+    locks = backend.manager()
+    with pytest.raises(ConfigurationError) as caught:
+        locks.acquire(keys)  # type: ignore[arg-type]
+    assert "lock keys" in str(caught.value)
+
+
+def test_unknown_or_bad_connect_options_are_configuration_errors(backend: LockEnv) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        connect(backend.url, wait_timeout=5)
+    assert "wait_timeout" in str(caught.value)
+    with pytest.raises(ConfigurationError) as caught:
+        connect(backend.url, presence_ms=-5)
+    assert "presence_ms" in str(caught.value) and "-5" in str(caught.value)
+
+
+def test_async_acquire_checks_its_arguments_when_called(backend: LockEnv) -> None:
+    import asyncio
+
+    async def main() -> None:
+        locks = backend.async_manager()
+        try:
+            with pytest.raises(ConfigurationError):
+                locks.acquire(42)  # type: ignore[arg-type]
+            with pytest.raises(ConfigurationError, match="timeout_s"):
+                locks.acquire(backend.key("k"), timeout_s=-1)
+            with pytest.raises(ConfigurationError, match="ttl_ms"):
+                locks.acquire(backend.key("k"), ttl_ms=5)
+        finally:
+            await locks.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_handed_off_lease_outlives_its_hand_off_ttl_through_renewals(backend: LockEnv) -> None:
+    """A hand-off runs for the waiter's presence window (2 s) until renewed; the heartbeat
+    renews it in time, so a holder with a 10 s TTL keeps it for longer."""
+    key = backend.key("handed")
+    holder, waiter, rival = backend.manager(), backend.manager(), backend.manager()
+    first = holder.acquire(key, ttl_ms=10_000)
+    got: list[Lease] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(key, ttl_ms=10_000,
+                                                                         timeout_s=20)))
+    thread.start()
+    time.sleep(0.3)
+    first.release()
+    thread.join(20)
+    assert got, "the waiter did not get the lock"
+    lease = got[0]
+    try:
+        until = time.monotonic() + 3.0  # well past the 2 s hand-off TTL
+        while time.monotonic() < until:
+            assert_held(rival, key)
+            assert not lease.lost
+        lease.check()
+        assert lease.remaining_s() > 2.0  # renewed to the full TTL
+    finally:
+        lease.release()

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import toolguard.locks.manager as manager_module
-from locks.backends import LockEnv
+from locks.backends import QUIET_POLL_S, LockEnv
 from toolguard.errors import LockLost, LockTimeout, NotOwned
 from toolguard.locks import AsyncLockManager, Lease
 
@@ -200,15 +200,18 @@ def test_async_long_holder_keeps_the_lock(backend: LockEnv) -> None:
     assert asyncio.run(main()) == 0
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_async_waiter_is_woken_by_the_release(backend: LockEnv, monkeypatch) -> None:
+    """With every fallback poll at least QUIET_POLL_S apart, only a wake-up can hand over
+    within 10 s."""
     monkeypatch.setattr(manager_module, "MAX_POLL_S", 30.0)
     key = backend.key("awake")
+    assert QUIET_POLL_S > 10
 
     async def main() -> None:
-        holder, waiter = backend.async_manager(), backend.async_manager()
+        holder, waiter = backend.quiet_async_manager(), backend.quiet_async_manager()
         try:
-            lease = await holder.acquire(key, ttl_ms=20_000)
+            lease = await holder.acquire(key)
             task = asyncio.create_task(_acquire(waiter, key))
             await asyncio.sleep(0.3)
             released_at = time.monotonic()
@@ -230,21 +233,23 @@ async def _acquire(manager: AsyncLockManager, key: str) -> Lease:
 
 @pytest.mark.timeout(60)
 def test_many_async_waiters_are_all_woken_by_releases(backend: LockEnv, monkeypatch) -> None:
-    """More waiters than the default executor has threads: waiting must not block releasing."""
+    """More waiters than the default executor has threads: waiting must not block releasing.
+
+    Polls are at least QUIET_POLL_S apart: sixteen hand-offs in 20 s need wake-ups."""
     monkeypatch.setattr(manager_module, "MAX_POLL_S", 30.0)
     key = backend.key("amany")
     waiters = 16
     order: list[int] = []
 
     async def one(index: int, manager: AsyncLockManager) -> None:
-        async with manager.acquire(key, ttl_ms=20_000, timeout_s=20):
+        async with manager.acquire(key, timeout_s=20):
             order.append(index)
             await asyncio.sleep(0.001)
 
     async def main() -> None:
-        manager = backend.async_manager()
+        manager = backend.quiet_async_manager()
         try:
-            first = await manager.acquire(key, ttl_ms=20_000)
+            first = await manager.acquire(key)
             tasks = [asyncio.create_task(one(i, manager)) for i in range(waiters)]
             await asyncio.sleep(0.3)
             await first.arelease()
@@ -254,3 +259,20 @@ def test_many_async_waiters_are_all_woken_by_releases(backend: LockEnv, monkeypa
 
     asyncio.run(main())
     assert sorted(order) == list(range(waiters))
+
+
+def test_async_backend_declares_the_presence_window_of_its_sync_twin(backend: LockEnv) -> None:
+    """Hand-off TTLs and etcd's presence rule come from it: a missing one would fall back
+    to the full TTL, and a dead async waiter would hold up the line that long."""
+    from toolguard.locks import AsyncLockBackend, LockBackend
+
+    async def main() -> None:
+        manager = backend.async_manager()
+        try:
+            assert isinstance(manager.backend, AsyncLockBackend)
+            assert isinstance(manager.renewer, LockBackend)
+            assert manager.backend.presence_ms == manager.renewer.presence_ms == 2_000
+        finally:
+            await manager.aclose()
+
+    asyncio.run(main())

@@ -13,10 +13,10 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from toolguard.errors import BackendUnavailable, ConfigurationError, LockLost, NotOwned
+from toolguard.errors import BackendUnavailable, ConfigurationError, LockLost, LockTimeout, NotOwned
 from toolguard.locks import Attempt, BackendInfo, LockBackend, LockManager
-from toolguard.locks.base import canonical_keys, full_jitter, owner_ttl_ms
-from toolguard.locks.manager import _Plan
+from toolguard.locks.base import canonical_keys, full_jitter, owner_handoff_ms, owner_ttl_ms
+from toolguard.locks.manager import _Grant, _Plan
 
 SLACK_S = 1.0
 
@@ -25,6 +25,7 @@ class FakeBackend:
     """Single-process locks in a dict, with a switch for how renewals behave."""
 
     info = BackendInfo(name="fake", durable_tokens=False, server_wakeup=False, fair=False)
+    presence_ms = 2_000
 
     def __init__(self) -> None:
         self.held: dict[str, tuple[str, float]] = {}
@@ -171,18 +172,77 @@ def test_full_jitter_is_bounded_and_truncated() -> None:
         assert 0.0 <= pause <= min(0.25, 0.005 * 2**attempt)
 
 
-def test_owner_carries_its_ttl() -> None:
+def test_owner_carries_its_ttl_and_its_hand_off_ttl() -> None:
     from toolguard.locks.base import new_owner
 
     assert owner_ttl_ms(new_owner(1234)) == 1234
+    assert owner_handoff_ms(new_owner(1234)) == 1234
+    assert (owner_ttl_ms(new_owner(10_000, 2_000)), owner_handoff_ms(new_owner(10_000, 2_000))) \
+        == (10_000, 2_000)
+    assert new_owner(500, 2_000).count(":") == 1  # no shorter hand-off: the old format
 
 
 def test_later_keys_are_awaited_no_longer_than_the_first_may_go_unrenewed() -> None:
     now = time.monotonic()
     plan = _Plan(keys=("a", "b"), ttl_ms=300, deadline=now + 60, round_wait_s=1.0,
                  backoff_base_s=0.005, backoff_cap_s=0.25)
-    assert plan.key_deadline(0, now) == plan.deadline
-    assert plan.key_deadline(1, now) <= now + 0.3 / 3 + 1e-6
+    assert plan.key_deadline(0) == plan.deadline
+    plan.grants["a"] = _Grant(1, now, 300)
+    assert plan.key_deadline(1) <= now + 0.3 / 3 + 1e-6
     long_plan = _Plan(keys=("a", "b"), ttl_ms=60_000, deadline=now + 60, round_wait_s=1.0,
                       backoff_base_s=0.005, backoff_cap_s=0.25)
-    assert long_plan.key_deadline(1, now) <= time.monotonic() + 1.0
+    long_plan.grants["a"] = _Grant(1, now, 60_000)
+    assert long_plan.key_deadline(1) <= time.monotonic() + 1.0
+    # A hand-off runs for its shorter hand-off TTL: later keys wait a third of that at most.
+    handed = _Plan(keys=("a", "b"), ttl_ms=60_000, deadline=now + 60, round_wait_s=30.0,
+                   backoff_base_s=0.005, backoff_cap_s=0.25, handoff_ms=2_000)
+    handed.grants["a"] = _Grant(1, now, handed.handoff_ms)
+    assert handed.key_deadline(1) <= now + 2.0 / 3 + 1e-6
+
+
+def test_waits_between_tries_leave_a_hand_off_two_thirds_of_its_ttl() -> None:
+    now = time.monotonic()
+    plan = _Plan(keys=("a",), ttl_ms=60_000, deadline=now + 60, round_wait_s=1.0,
+                 backoff_base_s=0.005, backoff_cap_s=0.25, handoff_ms=300)
+    for retry_ms in (0, 10, 5_000):
+        poll = plan.poll_s(plan.deadline, retry_ms)
+        assert poll is not None and poll <= 0.3 / 3 + 1e-6
+    assert owner_handoff_ms(plan.owner) == 300 and owner_ttl_ms(plan.owner) == 60_000
+
+
+def test_a_grant_is_usable_only_with_a_third_of_its_ttl_left() -> None:
+    grant = _Grant(7, 100.0, 3_000)
+    assert grant.usable(100.0) and grant.usable(101.99)
+    assert not grant.usable(102.0) and not grant.usable(500.0)
+
+
+def test_transient_errors_are_retried_until_the_deadline_then_reported() -> None:
+    now = time.monotonic()
+    plan = _Plan(keys=("a",), ttl_ms=1_000, deadline=now + 5, round_wait_s=1.0,
+                 backoff_base_s=0.005, backoff_cap_s=0.25)
+    error = BackendUnavailable("connection refused")
+    pauses = [plan.retry_s(error, plan.deadline) for _ in range(12)]
+    assert all(p is not None and 0 < p <= 0.5 for p in pauses)
+    assert plan.retry_s(error, now - 1) is None
+    assert isinstance(plan.failure("a"), BackendUnavailable)  # the server was away at the end
+    plan.answered()
+    assert isinstance(plan.failure("a"), LockTimeout)  # it answered: contention
+
+
+def test_an_acquire_retries_a_failing_backend_within_its_deadline(fake: FakeBackend) -> None:
+    calls = {"n": 0}
+    original = fake.try_acquire
+
+    def flaky(key: str, owner: str, ttl_ms: int) -> Attempt:
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            msg = "connection reset"
+            raise BackendUnavailable(msg)
+        return original(key, owner, ttl_ms)
+
+    fake.try_acquire = flaky  # type: ignore[method-assign]
+    with LockManager(fake).acquire("k", ttl_ms=1_000, timeout_s=10) as lease:
+        assert lease.token and calls["n"] == 4
+    fake.try_acquire = lambda *a: (_ for _ in ()).throw(BackendUnavailable("down"))  # type: ignore
+    with pytest.raises(BackendUnavailable):
+        LockManager(fake).acquire("k2", timeout_s=0.2)

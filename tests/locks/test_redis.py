@@ -205,3 +205,54 @@ def test_handed_off_holder_gets_a_token_even_if_the_counter_vanished(redis_url: 
     finally:
         backend.release(key, "second:1000")
         backend.close()
+
+
+def test_a_hand_off_lasts_the_waiters_hand_off_ttl_and_queueing_clears_stale_ones(
+        redis_url: str, unique: str) -> None:
+    from toolguard.locks.base import new_owner
+    from toolguard.locks.redis import RedisBackend
+
+    key = f"t{unique}:handoff"
+    lock, fence, _, _ = redis_keys(key)[0]
+    wake_prefix = redis_keys(key)[1]
+    backend = RedisBackend(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    first, late = new_owner(30_000), new_owner(30_000, 700)
+    try:
+        assert backend.try_acquire(key, first, 30_000).granted
+        assert not backend.try_acquire(key, late, 30_000).granted
+        assert backend.release(key, first)  # handed to the waiter, for its 700 ms
+        assert client.get(lock) == late.encode()
+        assert 0 < client.pttl(lock) <= 700
+        handed = int(client.lindex(wake_prefix + late, 0))
+        time.sleep(0.8)  # the hand-off runs out unclaimed; someone else takes the key
+        other = new_owner(30_000)
+        assert backend.try_acquire(key, other, 30_000).granted
+        # The waiter asks again: it is queued, and the expired hand-off is gone for good.
+        assert not backend.try_acquire(key, late, 30_000).granted
+        assert client.llen(wake_prefix + late) == 0
+        assert backend.wait(key, late, 0.2) is None
+        assert int(client.get(fence)) > handed
+        backend.release(key, other)
+    finally:
+        backend.release(key, late)
+        backend.close()
+
+
+def test_asking_again_while_holding_grants_again_from_now(redis_url: str, unique: str) -> None:
+    from toolguard.locks.base import new_owner
+    from toolguard.locks.redis import RedisBackend
+
+    key = f"t{unique}:again"
+    backend = RedisBackend(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    owner = new_owner(1_000)
+    try:
+        first = backend.try_acquire(key, owner, 1_000).token
+        time.sleep(0.5)
+        again = backend.try_acquire(key, owner, 1_000).token  # e.g. a retry after a lost reply
+        assert first is not None and again is not None and again > first
+        assert client.pttl(redis_keys(key)[0][0]) > 900  # its TTL runs from the second call
+    finally:
+        backend.release(key, owner)
+        backend.close()

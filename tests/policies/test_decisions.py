@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import BaseModel
 
-from toolguard.errors import InvalidArguments, NotAuthorized, UnknownTool
+from toolguard.errors import (
+    GuardMisconfigured,
+    InvalidArguments,
+    MissingIdentity,
+    NotAuthorized,
+    UnknownTool,
+)
 from toolguard.intent import Intent, WorkflowIdentity
 from toolguard.policies import (
     REDACTED,
@@ -66,10 +74,12 @@ def test_authorize() -> None:
         authorize(score, "enricher")
     assert caught.value.reason == "not_authorized"
     assert caught.value.message == "agent 'enricher' may not call score (allowed: scorer)"
-    with pytest.raises(NotAuthorized, match="without an agent identity"):
+    with pytest.raises(MissingIdentity, match="without an agent identity") as missing:
         authorize(score, None)
-    authorize(POLICY.tools["tag"], None)  # "*" admits calls without identity too
+    assert missing.value.reason == "missing_identity"
     authorize(POLICY.tools["tag"], "anyone")
+    with pytest.raises(MissingIdentity):  # "*" is every identified agent, never "nobody"
+        authorize(POLICY.tools["tag"], None)
 
 
 GOOD_ARGS = {"lead_id": "L1", "owner": 7, "score": 50, "note": "ok", "stage": "won", "tags": ["a"],
@@ -95,7 +105,7 @@ def test_constraints_accept_good_args_and_skip_absent_ones() -> None:
     ({"tags": ["a", "b", "c"]}, "args.tags: more than 2 items"),
     ({"contacts": [{"email": "a@b"}, {"email": "nope"}]}, "args.contacts[1].email: does not match"),
 ])
-def test_constraint_violations_name_the_field(change: dict, message: str) -> None:
+def test_constraint_violations_name_the_field(change: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidArguments) as caught:
         check_constraints(POLICY.tools["score"], {**GOOD_ARGS, **change})
     assert caught.value.message.startswith(message)
@@ -145,8 +155,26 @@ def test_idempotency_key_default_and_custom() -> None:
     assert idempotency_key(Intent(tool="tag"), POLICY.tools["tag"], {}) is None
 
 
+def test_idempotency_key_is_bounded_and_a_broken_key_function_is_a_configuration_error() -> None:
+    intent = Intent(tool="tag", call_id="\U0001f600" * 256, workflow=WorkflowIdentity(thread_id="t"))
+    key = idempotency_key(intent, POLICY.tools["tag"], {})
+    assert key is not None and len(key.encode()) <= 512
+    with pytest.raises(GuardMisconfigured, match="returned int"):
+        idempotency_key(intent, POLICY.tools["tag"], {}, key_fn=lambda i: 7)  # type: ignore[arg-type,return-value]
+
+
+def test_the_tool_policy_narrows_the_scope_to_the_task() -> None:
+    policy = Policy.from_dict({"version": 1, "defaults": {"idempotency_scope": "task"}, "tools": {
+        "a": {"read_only": True}, "b": {"read_only": True, "idempotency_scope": "thread"}}})
+    flow = WorkflowIdentity(thread_id="t", checkpoint_ns="tools:task-1")
+    intent = Intent(tool="a", call_id="c", workflow=flow)
+    assert idempotency_key(intent, policy.tools["a"], {}) == "thread:t/tools%3Atask-1/c"
+    assert idempotency_key(intent, policy.tools["b"], {}) == "thread:t/tools/c"
+
+
 def test_redaction_of_nested_paths() -> None:
-    raw = {"lead_id": "L1", "secret": {"k": 1}, "contacts": [{"email": "a@b", "name": "A"}, {"name": "B"}]}
+    raw: dict[str, Any] = {"lead_id": "L1", "secret": {"k": 1},
+                           "contacts": [{"email": "a@b", "name": "A"}, {"name": "B"}]}
     out = redacted_args(POLICY.tools["score"], raw)
     assert out == {"lead_id": "L1", "secret": REDACTED,
                    "contacts": [{"email": REDACTED, "name": "A"}, {"name": "B"}]}

@@ -8,23 +8,26 @@ import uuid
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from toolguard.envelope import envelope_problem
 from toolguard.errors import InvalidArguments
 from toolguard.intent import (
     Intent,
     Limits,
     WorkflowIdentity,
     args_hash,
+    bounded_key,
     canonical_json,
     check_limits,
     default_idempotency_key,
     json_args,
+    node_path,
 )
 
 
 def test_intent_is_frozen_and_forbids_unknown_fields() -> None:
     intent = Intent(tool="t", args={"a": 1}, call_id="c1")
     with pytest.raises(ValidationError):
-        intent.tool = "other"  # type: ignore[misc]
+        intent.tool = "other"
     with pytest.raises(ValidationError):
         Intent(tool="t", trusted=True)  # type: ignore[call-arg]
     assert intent.id and intent.id != Intent(tool="t").id
@@ -35,6 +38,40 @@ def test_intent_keeps_any_raw_args() -> None:
     assert Intent(tool="t", args=[1, {"x": None}]).args == [1, {"x": None}]
 
 
+def test_intent_fields_are_strict() -> None:
+    with pytest.raises(ValidationError):
+        Intent(tool="t", call_id=7)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        Intent(tool="t", node_attempt="2")  # type: ignore[arg-type]
+
+
+def test_from_tool_call_never_raises_and_never_coerces() -> None:
+    for call_id in (7, True, ["c"], {"id": 1}, b"c"):
+        intent = Intent.from_tool_call({"name": "t", "args": {}, "id": call_id})
+        assert intent.call_id is None and intent.problem and intent.problem.startswith("id:")
+    for text, problem in (("c" * 257, "id: 257 characters, at most 256"),
+                          ("c\ud800", "id: not valid Unicode (a lone surrogate at position 1)")):
+        intent = Intent.from_tool_call({"name": "t", "args": {}, "id": text})
+        assert envelope_problem(intent) == problem
+    assert Intent.from_tool_call({"name": 7}).problem == "name: expected a string, got a number"
+    assert Intent.from_tool_call("not a call").problem == "name: missing"
+    assert envelope_problem(Intent.from_tool_call({"name": "t"}, agent="")) == "agent: empty"
+    assert envelope_problem(Intent(tool="t", call_id="c" * 300)) == "id: 300 characters, at most 256"
+    ok = Intent.from_tool_call({"name": "t", "id": "c" * 256}, agent="a")
+    assert envelope_problem(ok) is None and ok.call_id == "c" * 256
+
+
+def test_bounded_key() -> None:
+    assert bounded_key("thread:t/tools/c") == "thread:t/tools/c"
+    long = "thread:t/tools/" + "%F0%9F%98%80" * 256
+    hashed = bounded_key(long)
+    assert len(hashed) < 200 and hashed.startswith(long[:64]) and "%h" in hashed
+    assert bounded_key(long + "x") != hashed
+    assert bounded_key("a\x00") != "a\x00" and "\x00" not in bounded_key("a\x00")
+    assert bounded_key("a\ud800").isascii()
+    assert bounded_key(hashed) != hashed  # a key that looks hashed is hashed again: no collision
+
+
 def test_from_tool_call() -> None:
     flow = WorkflowIdentity(thread_id="th", checkpoint_ns="ns", run_id="r")
     intent = Intent.from_tool_call({"name": "update", "args": {"x": 1}, "id": "call_1"},
@@ -43,19 +80,38 @@ def test_from_tool_call() -> None:
         "update", {"x": 1}, "call_1", "scorer", 3)
 
 
-def test_default_key_uses_thread_namespace_and_call() -> None:
+def test_default_key_uses_thread_node_path_and_call() -> None:
     flow = WorkflowIdentity(thread_id="t1", checkpoint_ns="tools:abc", run_id="r1", checkpoint_id="cp")
     key = default_idempotency_key(Intent(tool="x", call_id="call/1", workflow=flow, node_attempt=5))
-    assert key == "thread:t1/tools%3Aabc/call%2F1"
-    # node_attempt and checkpoint_id change on retries: they must not change the key
+    assert key == "thread:t1/tools/call%2F1"
+    # node_attempt, checkpoint_id and the task id change on retries and across supersteps:
+    # none of them changes the key
     again = Intent(tool="x", call_id="call/1", node_attempt=9,
-                   workflow=flow.model_copy(update={"checkpoint_id": "other", "run_id": "r2"}))
+                   workflow=flow.model_copy(update={"checkpoint_id": "other", "run_id": "r2",
+                                                    "checkpoint_ns": "tools:def"}))
     assert default_idempotency_key(again) == key
+
+
+def test_task_scope_keeps_the_task_ids() -> None:
+    flow = WorkflowIdentity(thread_id="t1", checkpoint_ns="tools:abc")
+    intent = Intent(tool="x", call_id="c", workflow=flow)
+    assert default_idempotency_key(intent, "task") == "thread:t1/tools%3Aabc/c"
+    later = intent.model_copy(update={"workflow": flow.model_copy(
+        update={"checkpoint_ns": "tools:def"})})
+    assert default_idempotency_key(later, "task") != default_idempotency_key(intent, "task")
+
+
+def test_node_path_drops_task_ids_and_keeps_agents_apart() -> None:
+    assert node_path("") == ""
+    assert node_path("tools") == "tools"
+    assert node_path("tools:1f0c-aa") == "tools"
+    assert node_path("scorer:9a|tools:1f0c") == "scorer|tools"
+    assert node_path("router:9a|tools:1f0c") != node_path("scorer:9a|tools:1f0c")
 
 
 def test_default_key_falls_back_to_run_then_none() -> None:
     run_only = Intent(tool="x", call_id="c", workflow=WorkflowIdentity(run_id="r/1"))
-    assert default_idempotency_key(run_only) == "run:r%2F1/c"
+    assert default_idempotency_key(run_only) == "run:r%2F1//c"
     assert default_idempotency_key(Intent(tool="x", call_id="c")) is None
     assert default_idempotency_key(Intent(tool="x", workflow=WorkflowIdentity(thread_id="t"))) is None
 

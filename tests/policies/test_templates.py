@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolguard.errors import InvalidArguments
 from toolguard.policies import KeyTemplate, escape_text, escape_value
-from toolguard.policies.templates import ESCAPED_ALPHABET
+from toolguard.policies.templates import ESCAPED_ALPHABET, MAX_VALUE_CHARS
 
 HOSTILE = ["a:b", "a", "b:c", "b", "c", "*", "{x}", "{", "}", "../", "..", "/", "\x00", "%", "%41",
            "A", "~i1", "1", "", " ", "\u0430", "\uff41", "\u00e9", "e\u0301", "\u200b", "lead:1", "~",
@@ -32,6 +34,19 @@ def test_scalars_are_type_tagged() -> None:
     assert escape_value(False) == "~f"
     assert escape_value(1.5) == "~d1%2E5"
     assert len({escape_value(v) for v in ("1", 1, True, 1.0)}) == 4
+
+
+def test_long_values_are_hashed_so_every_key_fits_an_index() -> None:
+    """A 4,096-character id (within the default limits) made a key PostgreSQL cannot index."""
+    template = KeyTemplate.parse("lead:{id}")
+    (long_key,) = template.render({"id": "x" * 4_096})
+    (other,) = template.render({"id": "x" * 4_095 + "y"})
+    (number,) = template.render({"id": 10 ** 300})
+    assert long_key.startswith("lead:~h") and len(long_key) == len("lead:~h") + 64
+    assert other != long_key and number.startswith("lead:~h") and number != long_key
+    (short,) = template.render({"id": "x" * (MAX_VALUE_CHARS - 1)})
+    assert short == "lead:" + "x" * (MAX_VALUE_CHARS - 1)  # short values are unchanged
+    assert escape_value("\u00e9" * 200).startswith("~h")  # 1,200 escaped characters
 
 
 @pytest.mark.parametrize("value", [None, [1], {"a": 1}, b"x"])
@@ -66,7 +81,7 @@ def test_render_basic_and_list_expansion() -> None:
     ({"lead_id": [1]}, "args.lead_id: lock key 'lead:{lead_id}': a key needs a string, number "
                        "or boolean, got a list"),
 ])
-def test_render_refuses_missing_and_non_scalars(args: dict, expected: str) -> None:
+def test_render_refuses_missing_and_non_scalars(args: dict[str, Any], expected: str) -> None:
     with pytest.raises(InvalidArguments) as caught:
         KeyTemplate.parse("lead:{lead_id}").render(args)
     assert caught.value.message == expected
@@ -117,7 +132,8 @@ TEMPLATES = ["t:{a}:{b}:{c}", "{a}/{b}.{c}", "x{a}:{b}:{c}y", "{a}::{b}/{c}", "p
 @settings(max_examples=400, deadline=None)
 @given(template=st.sampled_from(TEMPLATES), first=st.tuples(scalars, scalars, scalars),
        second=st.tuples(scalars, scalars, scalars))
-def test_distinct_tuples_render_distinct_keys(template: str, first: tuple, second: tuple) -> None:
+def test_distinct_tuples_render_distinct_keys(template: str, first: tuple[Any, ...],
+                                              second: tuple[Any, ...]) -> None:
     parsed = KeyTemplate.parse(template)
     (key1,) = parsed.render(dict(zip("abc", first, strict=True)))
     (key2,) = parsed.render(dict(zip("abc", second, strict=True)))
@@ -127,7 +143,7 @@ def test_distinct_tuples_render_distinct_keys(template: str, first: tuple, secon
 
 @settings(max_examples=300, deadline=None)
 @given(first=st.lists(scalars, min_size=1, max_size=4), second=st.lists(scalars, min_size=1, max_size=4))
-def test_list_expansion_keys_are_the_set_of_element_keys(first: list, second: list) -> None:
+def test_list_expansion_keys_are_the_set_of_element_keys(first: list[Any], second: list[Any]) -> None:
     parsed = KeyTemplate.parse("lead:{ids[*]}")
     keys1, keys2 = set(parsed.render({"ids": first})), set(parsed.render({"ids": second}))
     tagged1 = {(type(v), v) for v in first}

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from review.helpers import DEMO_POLICY, IMG, SCRIPT, TOOL, served_by_the_cli, serving
-from toolguard.guard import REJECTION_TEMPLATE
 from toolguard.review import create_app
 from toolguard.store import GuardedStore
 
@@ -107,8 +106,9 @@ def test_the_demos_rejected_intents_in_chromium(browser: Any, demo_home: dict[st
         # one decision's page says why
         page.locator("td.id a", has_text=f"#{stale.id}").click()
         page.wait_for_url(f"**/entry/{stale.id}")
-        assert REJECTION_TEMPLATE.format(reason=stale.reason, message=stale.detail) == \
-            page.locator("pre.model-message").inner_text()
+        assert page.locator("pre.model-message").inner_text() == (
+            "rejected by toolguard (stale_fencing_token): another call on this resource wrote "
+            "first; nothing was written. Read the resource again before retrying.")
         location = page.locator("code.location").inner_text()
         assert location.startswith(f"{DEMO_POLICY}:") and page.locator("pre.source .marked").inner_text() \
             .strip().endswith('locks: ["lead:{lead_id}"]')

@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import parse_qs
 
 import pytest
 
-from toolguard.errors import PolicyProblems
+from toolguard.decision import refusal
+from toolguard.envelope import untrusted_intent
+from toolguard.errors import (
+    BackendUnavailable,
+    IdempotencyConflict,
+    IntentRejected,
+    InvalidArguments,
+    InvalidIntent,
+    LockError,
+    LockLost,
+    LockTimeout,
+    MissingIdentity,
+    NotAuthorized,
+    NotOwned,
+    OutOfOrder,
+    PolicyProblems,
+    StaleFencingToken,
+    StoreError,
+    UnknownTool,
+)
+from toolguard.recording import audit_entry
 from toolguard.review.chart import MAX_BUCKETS, PALETTE, decisions_chart, step_for
 from toolguard.review.filters import DEFAULT_LIMIT, parse_filters
 from toolguard.review.rules import PolicySource
@@ -186,14 +207,49 @@ def test_a_broken_policy_fails_at_start_with_file_and_line(tmp_path: Path) -> No
 # --- what the model read, and loopback -----------------------------------------------------------
 
 
-def test_the_model_message_is_the_adapters_text_for_refusals_only() -> None:
+STALE_TEXT = ("rejected by toolguard (stale_fencing_token): another call on this resource wrote "
+              "first; nothing was written. Read the resource again before retrying.")
+
+
+def test_the_model_message_is_what_toolguard_answered_and_no_more() -> None:
     refused = model_message(entry("not_authorized", detail="agent 'r' may not call x"))
     assert refused.text == "rejected by toolguard (not_authorized): agent 'r' may not call x"
-    assert model_message(entry("error", decision="failed", detail="boom")).text == \
-        "rejected by toolguard (error): boom"
+    # the detail keeps the tokens and hosts for the operator; the model read a fixed text
+    stale = model_message(entry("stale_fencing_token", detail="lead:a: token 5 is below 7"))
+    assert stale.text == STALE_TEXT
+    down = model_message(entry("backend_unavailable", decision="failed",
+                               detail="redis: Error 111 connecting to 127.0.0.1:6390"))
+    assert down.text == ("not completed (backend_unavailable): a service toolguard needs is "
+                         "unavailable; try again later.")
+    for reason in ("error", "tool_error"):  # the tool's own failure: the adapters pass it on
+        failed = model_message(entry(reason, decision="failed", detail="RuntimeError: boom"))
+        assert failed.text is None and "passed on unchanged" in failed.note
+    configuration = model_message(entry("configuration", decision="failed", detail="no pair"))
+    assert configuration.text is None and "raised to the developer" in configuration.note
     for decision in ("accepted", "replayed", "unknown"):
         message = model_message(entry("applied", decision=decision))
         assert message.text is None and message.note
+
+
+@pytest.mark.parametrize("error", [
+    NotAuthorized("agent 'r' may not call set_tier"), MissingIdentity("no agent"),
+    InvalidIntent("invalid tool call: id: expected a string, got int"),
+    InvalidArguments("args.score: must be <= 100"), UnknownTool("unknown tool 'x'"),
+    OutOfOrder("set_tier must run after enrich_lead on lead:a"),
+    IntentRejected("an unfenced tool needs a stable idempotency key",
+                   reason="missing_idempotency_key"),
+    LockTimeout("could not take lead:a within 5s", keys=["lead:a"]),
+    LockLost("lease on lead:a expired"), NotOwned("lead:a belongs to another owner"),
+    LockError("lock server said no"), StaleFencingToken("lead:a: token 5 is below 7"),
+    IdempotencyConflict("key k was used with other arguments"),
+    BackendUnavailable("redis: Error 111 connecting to 127.0.0.1:6390"),
+    StoreError("database is locked"),
+], ids=lambda error: type(error).__name__)
+def test_the_page_says_what_the_guard_told_the_model(error: Exception) -> None:
+    """The page reads the audit row; the model read ``Decision.model_text()``: the same text."""
+    decision = refusal(untrusted_intent(tool="set_tier", call_id="c1", agent="router"), error)
+    row = audit_entry(decision, None, time.monotonic())
+    assert model_message(row).text == decision.model_text()
 
 
 @pytest.mark.parametrize("host, loopback", [

@@ -19,7 +19,6 @@ import pytest
 from markupsafe import escape
 
 from review.helpers import DEMO_POLICY, IMG, REASON, SCRIPT, SVG, TOOL, fetch, serving
-from toolguard.guard import REJECTION_TEMPLATE
 from toolguard.review import CONTENT_SECURITY_POLICY, create_app
 from toolguard.store import AuditEntry, GuardedStore, open_store
 
@@ -133,8 +132,9 @@ def test_a_stale_write_page_says_why_with_the_lease_and_every_attempt(
     assert page.status == 200, page.body
     body = page.body
     assert "a newer lock holder had written" in body  # the CLI's meaning of the reason
-    said = REJECTION_TEMPLATE.format(reason=stale.reason, message=stale.detail)
-    assert f'<pre class="model-message">{escape(said)}</pre>' in body
+    said = ("rejected by toolguard (stale_fencing_token): another call on this resource wrote "
+            "first; nothing was written. Read the resource again before retrying.")
+    assert f'<pre class="model-message">{escape(said)}</pre>' in body  # not the detail's tokens
     # the lease: the refused token, and the newer one the store had accepted
     (key,) = stale.keys
     high = demo_store.high_water(key)

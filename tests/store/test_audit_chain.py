@@ -655,4 +655,4 @@ def test_the_schema_files_are_listed() -> None:
     assert "005_tamper_evident_audit.sql" in names
     sqlite_names = [p.name for p in resources.files("toolguard").joinpath("sql", "sqlite")
                     .iterdir()]
-    assert "002_tamper_evident_audit.sql" in sqlite_names
+    assert "003_tamper_evident_audit.sql" in sqlite_names

@@ -26,9 +26,9 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 
 
 EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
-                                      (3, "003_stale_blockers_exact_results"),
+                                      (3, "003_stale_blockers_exact_results"), (4, "004_controls"),
                                       (5, "005_tamper_evident_audit")],
-                       "sqlite": [(1, "001_initial"), (2, "002_tamper_evident_audit")]}
+                       "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit")]}
 
 
 def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:

@@ -1,65 +1,94 @@
 """Who is calling, and from where: the envelope of a tool call turned into an ``Intent``.
 
 Every adapter builds its intent here, so the rules for the call id, the agent
-identity and the workflow identity are the same whether a call comes through a
-ToolNode, a ``create_agent`` middleware or a LangChain tool.
+identity and the workflow identity (``toolguard.envelope``) are the same
+whether a call comes through a ToolNode, a ``create_agent`` middleware or a
+LangChain tool. Nothing here raises or coerces: a broken envelope becomes an
+intent the guard refuses as ``invalid_intent``, audited.
+
+Identity comes from the host: the adapter's ``agent=`` or the run's metadata
+``toolguard_agent``; never from the model, never guessed from a node name.
+No identity is refused (``missing_identity``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from toolguard.intent import Intent, WorkflowIdentity
+from toolguard.envelope import untrusted_intent
+from toolguard.intent import Intent, Origin
 
-__all__ = ["agent_from_metadata", "intent_from_call"]
+__all__ = ["AGENT_METADATA_KEY", "agent_from_metadata", "intent_from_call"]
+
+#: The run-metadata key that names the calling agent (``config={"metadata": {...}}``).
+AGENT_METADATA_KEY = "toolguard_agent"
 
 
-def intent_from_call(call: Any, *, agent: str | None, runtime: Any = None,
-                     config: Any = None) -> Intent:
-    """An ``Intent`` from a tool call plus whatever identity LangGraph exposes.
+def intent_from_call(call: Any, *, agent: Any, runtime: Any = None, config: Any = None,
+                     origin: Origin = "model", expected_tool: str | None = None) -> Intent:
+    """An ``Intent`` from a tool call plus whatever identity LangGraph exposes; never raises.
 
     Without a checkpointer LangGraph gives neither a thread nor a run id (unless
     the caller put ``run_id`` in the config). The superstep's checkpoint id then
     stands in for the run: it is the same on every ``RetryPolicy`` re-run of the
     node and new for every invocation, so a retried call still finds its
-    idempotency record.
+    idempotency record. ``origin="python"`` marks a direct call (not a model's
+    tool call), which may come without an id. ``expected_tool`` is the name of
+    the one tool an adapter stands for: a call naming another is refused.
     """
-    configurable = dict((config or {}).get("configurable") or {})
-    info = getattr(runtime, "execution_info", None)
-    if info is None:  # a tool invoked by ToolNode gets only the config; the runtime rides in it
-        info = getattr(configurable.get("__pregel_runtime"), "execution_info", None)
-    thread_id = _text(getattr(info, "thread_id", None) or configurable.get("thread_id"))
-    run_id = _text(getattr(info, "run_id", None) or (config or {}).get("run_id"))
-    checkpoint_id = _text(getattr(info, "checkpoint_id", None))
-    if thread_id is None and run_id is None and checkpoint_id:
+    fields: Mapping[str, Any] = call if isinstance(call, Mapping) else {}
+    settings: Mapping[str, Any] = config if isinstance(config, Mapping) else {}
+    configurable = settings.get("configurable")
+    configurable = configurable if isinstance(configurable, Mapping) else {}
+    info = _execution_info(runtime, configurable)
+    thread_id = _first(getattr(info, "thread_id", None), configurable.get("thread_id"))
+    run_id = _first(getattr(info, "run_id", None), settings.get("run_id"))
+    checkpoint_id = getattr(info, "checkpoint_id", None)
+    if thread_id is None and run_id is None and isinstance(checkpoint_id, str) and checkpoint_id:
         run_id = f"step:{checkpoint_id}"
-    workflow = WorkflowIdentity(
-        thread_id=thread_id,
-        checkpoint_ns=_text(getattr(info, "checkpoint_ns", None)
-                            or configurable.get("checkpoint_ns")) or "",
-        checkpoint_id=checkpoint_id,
-        run_id=run_id,
-    )
-    attempt = getattr(info, "node_attempt", 1) or 1
-    return Intent(tool=str(call.get("name") or ""), args=call.get("args", {}),
-                  call_id=_text(call.get("id")), agent=agent, workflow=workflow,
-                  node_attempt=_attempt(attempt))
+    attempt = getattr(info, "node_attempt", 1)
+    return untrusted_intent(
+        tool=fields.get("name"), args=fields.get("args", {}), call_id=fields.get("id"),
+        agent=agent, thread_id=thread_id, run_id=run_id,
+        checkpoint_ns=_first(getattr(info, "checkpoint_ns", None),
+                             configurable.get("checkpoint_ns")),
+        checkpoint_id=checkpoint_id, node_attempt=1 if attempt is None else attempt,
+        origin=origin, expected_tool=expected_tool)
 
 
-def _attempt(value: Any) -> int:
+def _execution_info(runtime: Any, configurable: Mapping[str, Any]) -> Any:
+    """LangGraph's ``ExecutionInfo`` of the running task, or None.
+
+    A tool invoked by ToolNode gets only the config; the runtime rides in it.
+    Only LangGraph's own type counts: its fields are then checked like the rest
+    of the envelope (a thread id that is not a string is refused). Anything
+    else in its place (a stand-in runtime, e.g. a test's ``Mock``, answers every
+    attribute) is no execution info at all, as with a LangGraph that has none.
+    """
     try:
-        return max(int(value), 0)
-    except (TypeError, ValueError):
-        return 1
+        from langgraph.runtime import ExecutionInfo
+    except ImportError:  # a LangGraph without execution info: the config is all there is
+        return None
+    for source in (runtime, configurable.get("__pregel_runtime")):
+        info = getattr(source, "execution_info", None)
+        if isinstance(info, ExecutionInfo):
+            return info
+    return None
 
 
-def _text(value: Any) -> str | None:
-    return None if value is None else str(value)
+def agent_from_metadata(request: Any) -> Any:
+    """The run's metadata ``toolguard_agent``, as given (``None`` when absent).
+
+    Never the graph node's name: a node called ``tools`` is not an agent, and
+    authorizing as one would grant a call to an agent that does not exist.
+    The value is checked like the rest of the envelope (a non-empty string).
+    """
+    config = getattr(getattr(request, "runtime", None), "config", None)
+    metadata = config.get("metadata") if isinstance(config, Mapping) else None
+    return metadata.get(AGENT_METADATA_KEY) if isinstance(metadata, Mapping) else None
 
 
-def agent_from_metadata(request: Any) -> str | None:
-    """``toolguard_agent`` from the run's metadata, else the graph node's name."""
-    config = getattr(request.runtime, "config", None) or {}
-    metadata = config.get("metadata") or {}
-    agent = metadata.get("toolguard_agent") or metadata.get("langgraph_node")
-    return None if agent is None else str(agent)
+def _first(*values: Any) -> Any:
+    """The first value that is not None or empty text (any other value is checked later)."""
+    return next((v for v in values if v is not None and not (type(v) is str and not v)), None)

@@ -54,7 +54,9 @@ class GuardedTool(BaseTool):
         # args: they are the host's, not the model's, and never part of the intent.
         args = model_arguments(call.get("args", {}), self._injected.of(self.inner))
         agent = self.agent or (config.get("metadata") or {}).get("toolguard_agent")
-        return intent_from_call({**call, "args": args}, agent=agent, config=config), call
+        intent = intent_from_call({**call, "args": args}, agent=agent, config=config,
+                                  origin="model" if is_call else "python", expected_tool=self.name)
+        return intent, call
 
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         intent, call = self._intent(input, config)
@@ -85,8 +87,7 @@ class GuardedTool(BaseTool):
         """The tool's own answer, toolguard's, or ``_DELEGATE`` (pure: no I/O)."""
         if outcome.passes_on(decision):
             return outcome.output
-        is_call = call.get("id") is not None and isinstance(tool_input, dict) \
-            and tool_input.get("type") == "tool_call"
+        is_call = isinstance(tool_input, dict) and tool_input.get("type") == "tool_call"
         if decision.ok:
             message = replayed_message(decision, call)
             return message if is_call else message.content

@@ -1,7 +1,8 @@
 """LangGraph ``ToolNode`` wrappers and a ``create_agent`` middleware.
 
-``ToolNode(tools, wrap_tool_call=calls.wrap_tool_call, awrap_tool_call=calls.awrap_tool_call)``
-or ``create_agent(model, tools, middleware=[..., ToolGuardMiddleware(guard)])``.
+``calls = GuardedToolCalls(guard, agent="router")``, then
+``ToolNode(tools, wrap_tool_call=calls.wrap_tool_call, awrap_tool_call=calls.awrap_tool_call)``;
+or ``create_agent(model, tools, middleware=[..., ToolGuardMiddleware(guard, agent="router")])``.
 
 The wrapper is transparent: it changes what a ToolNode does only by refusing a
 call (an error ToolMessage naming the reason, audited) and by serializing and
@@ -44,9 +45,12 @@ AgentResolver = Callable[[ToolCallRequest], str | None]
 class GuardedToolCalls:
     """The ``wrap_tool_call`` / ``awrap_tool_call`` pair for a ``ToolNode``.
 
-    ``agent`` is the identity the policy authorizes: a fixed name (one ToolNode
-    per agent) or a function of the request (default: run metadata
-    ``toolguard_agent``). ``metadata=False`` leaves the tool's answers without
+    ``agent`` is the identity the policy authorizes, given by the host: a
+    fixed name (one ToolNode per agent) or a function of the request. Without
+    it, the run's metadata ``toolguard_agent`` names the agent
+    (``config={"metadata": {"toolguard_agent": "router"}}``); a call with
+    neither is refused (``missing_identity``), whatever the policy's
+    ``agents:`` says. ``metadata=False`` leaves the tool's answers without
     ``response_metadata["toolguard"]``.
 
     Put it innermost (directly around ToolNode's ``execute``, i.e. last in a
@@ -136,7 +140,8 @@ def _tool_names(request: ToolCallRequest) -> list[str]:
 class ToolGuardMiddleware(AgentMiddleware):
     """``create_agent`` middleware guarding every tool call (sync and async).
 
-    The first middleware listed is the outermost: list toolguard last among
+    ``agent`` as for ``GuardedToolCalls``. The first middleware listed is the
+    outermost: list toolguard last among
     the tool-call middlewares (after human approval and tool retry), so it
     sits directly around the tool's execution.
     """

@@ -19,9 +19,12 @@ import typer
 
 from toolguard import __version__
 from toolguard.cli._common import EXIT_CODES_HELP
+from toolguard.cli.approve import approve, deny
 from toolguard.cli.audit import audit_app
 from toolguard.cli.demo import demo
 from toolguard.cli.doctor import doctor
+from toolguard.cli.pause import pause, resume
+from toolguard.cli.policy_diff import policy_diff
 from toolguard.cli.serve import serve
 from toolguard.policies.cli import policy_app
 from toolguard.store.cli import db_app
@@ -65,6 +68,12 @@ def version_command() -> None:
 app.command("demo")(demo)
 app.add_typer(audit_app, name="audit")
 app.command("doctor")(doctor)
-app.add_typer(policy_app, name="policy", help="Check toolguard policy files (file:line errors).")
+policy_app.command("diff")(policy_diff)
+app.add_typer(policy_app, name="policy", help="Check toolguard policy files (file:line errors); "
+                                              "diff two policies over the audit log.")
 app.add_typer(db_app, name="db")
 app.command("serve")(serve)
+app.command("pause")(pause)
+app.command("resume")(resume)
+app.command("approve")(approve)
+app.command("deny")(deny)

@@ -51,9 +51,11 @@ if TYPE_CHECKING:
 
 __all__ = ["AuditFilters", "audit_app"]
 
-DECISIONS = ("accepted", "replayed", "rejected", "failed", "unknown")
+DECISIONS = ("accepted", "replayed", "rejected", "failed", "unknown", "pending", "shadow",
+             "operator")
 DECISION_STYLE = {"accepted": "green", "replayed": "cyan", "rejected": "bold red",
-                  "failed": "red", "unknown": "yellow"}
+                  "failed": "red", "unknown": "yellow", "pending": "magenta", "shadow": "blue",
+                  "operator": "bold"}
 #: One line per reason code, for people reading a refusal.
 REASONS = {
     "applied": "the intent ran and its write committed",
@@ -73,6 +75,19 @@ REASONS = {
     "cancelled": "the call was cancelled mid-flight; its outcome is reconciled on the next attempt",
     "tool_error": "the tool reported an error; its transaction was rolled back",
     "error": "the tool raised; its transaction was rolled back",
+    "paused": "an operator paused this tool or agent (`toolguard pause`)",
+    "resumed": "an operator lifted a pause (`toolguard resume`)",
+    "rate_limited": "more calls in the window than the quota allows",
+    "in_flight_limited": "as many calls as the quota allows were running already",
+    "budget_exceeded": "the call would take the window's sum over the quota's budget",
+    "approval_required": "the call waits for a person (`toolguard approve ID`)",
+    "approval_denied": "a person denied the call",
+    "approval_expired": "the approval (or its request) expired",
+    "approval_mismatch": "the approval was given for other arguments, another call or policy",
+    "invalid_resume": "the graph was resumed with a value that is not a decision on this call",
+    "approved": "a person approved a call",
+    "edited": "a person approved a call with changed arguments",
+    "denied": "a person denied a call",
 }
 CSV_COLUMNS = ("id", "at", "decision", "reason", "agent", "tool", "keys", "intent_id",
                "idempotency_key", "workflow", "tokens", "args", "detail", "duration_ms",
@@ -153,7 +168,7 @@ def _moment(value: str | None, option: str) -> datetime | None:
         raise typer.BadParameter(str(error), param_hint=option) from None
 
 
-def _decisions(values: list[str] | None, rejected: bool) -> tuple[str, ...]:
+def _decisions(values: list[str] | None, rejected: bool, shadow: bool = False) -> tuple[str, ...]:
     chosen = [v.strip().lower() for v in values or []]
     for value in chosen:
         if value not in DECISIONS:
@@ -161,18 +176,21 @@ def _decisions(values: list[str] | None, rejected: bool) -> tuple[str, ...]:
             raise typer.BadParameter(msg, param_hint="--decision")
     if rejected and "rejected" not in chosen:
         chosen.append("rejected")
+    if shadow and "shadow" not in chosen:
+        chosen.append("shadow")
     return tuple(chosen)
 
 
 def _filters(decision: list[str] | None, rejected: bool, reason: list[str] | None,
              tool: list[str] | None, agent: list[str] | None, key: str | None,
              workflow: str | None, intent: str | None, since: str | None, until: str | None,
-             url: str | None, schema: str | None, timeout: float) -> AuditFilters:
+             url: str | None, schema: str | None, timeout: float,
+             shadow: bool = False) -> AuditFilters:
     start, end = _moment(since, "--since"), _moment(until, "--until")
     if start and end and start >= end:
         raise typer.BadParameter(f"--since ({_when(start)}) is not before --until ({_when(end)})",
                                  param_hint="--since")
-    return AuditFilters(decision=_decisions(decision, rejected), reason=tuple(reason or ()),
+    return AuditFilters(decision=_decisions(decision, rejected, shadow), reason=tuple(reason or ()),
                         tool=tuple(tool or ()), agent=tuple(agent or ()), key=key,
                         workflow=workflow, intent=intent, since=start, until=end, url=url,
                         schema=schema, timeout=timeout)
@@ -184,6 +202,8 @@ DecisionOpt = Annotated[list[str] | None, typer.Option(
                              "Repeatable.", show_default=False)]
 RejectedOpt = Annotated[bool, typer.Option(
     "--rejected", help="Everything the guard refused (same as --decision rejected).")]
+ShadowOpt = Annotated[bool, typer.Option(
+    "--shadow", help="What shadow mode would have refused (same as --decision shadow).")]
 ReasonOpt = Annotated[list[str] | None, typer.Option(
     "--reason", "-r", metavar="REASON", help="Only this reason code, e.g. stale_fencing_token. Repeatable.",
     show_default=False)]
@@ -232,10 +252,11 @@ def audit(
     limit: LimitOpt = 50, oldest_first: OldestFirstOpt = False,
     json_out: JsonOpt = False, csv_out: CsvOpt = False,
     url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
+    shadow: ShadowOpt = False,
 ) -> None:
     """Review the audit log (with no command: list the newest entries)."""
     filters = _filters(decision, rejected, reason, tool, agent, key, workflow, intent, since, until,
-                       url, schema, timeout)
+                       url, schema, timeout, shadow)
     ctx.obj = filters
     if ctx.invoked_subcommand is None:
         _list(filters, limit=limit, oldest_first=oldest_first, fmt=_format(json_out, csv_out))
@@ -251,10 +272,11 @@ def list_command(
     limit: LimitOpt = 50, oldest_first: OldestFirstOpt = False,
     json_out: JsonOpt = False, csv_out: CsvOpt = False,
     url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
+    shadow: ShadowOpt = False,
 ) -> None:
     """List audit entries, newest first, filtered (--rejected: what was refused, and why)."""
     own = _filters(decision, rejected, reason, tool, agent, key, workflow, intent, since, until,
-                   url, schema, timeout)
+                   url, schema, timeout, shadow)
     _list(_parent(ctx).merged(own), limit=limit, oldest_first=oldest_first,
           fmt=_format(json_out, csv_out))
 
@@ -387,9 +409,10 @@ def _render_list(entries: list[AuditEntry], filters: AuditFilters, *, limit: int
                  oldest_first: bool) -> None:
     out = console()
     where = redact(resolve_store_url(filters.url))
-    refused_only = filters.decision == ("rejected",)
+    refused_only = filters.decision in (("rejected",), ("shadow",))
     what = (replace(filters, decision=()) if refused_only else filters).describe()
-    noun = "refused intent" if refused_only else "audit entr"
+    noun = ("audit entr" if not refused_only else
+            "shadow refusal" if filters.decision == ("shadow",) else "refused intent")
     plural = ("s" if len(entries) != 1 else "") if refused_only else ("ies" if len(entries) != 1
                                                                       else "y")
     if not entries:

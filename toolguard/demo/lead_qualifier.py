@@ -81,7 +81,6 @@ from toolguard.demo.scenario import (
     follow_up,
     tier_for,
 )
-from toolguard.intent import Intent, default_idempotency_key
 from toolguard.store.base import AuditEntry, qmark
 
 if TYPE_CHECKING:
@@ -107,7 +106,6 @@ __all__ = [
     "expected_records",
     "fit_points",
     "run_pipeline",
-    "stable_idempotency_key",
     "tier_for",
 ]
 
@@ -130,30 +128,6 @@ TASKS = {
     "email_verifier": "Verify this lead's e-mail address.",
     "router": "Set this lead's sales tier.",
 }
-
-# --- idempotency ----------------------------------------------------------------------------
-
-
-def stable_idempotency_key(intent: Intent) -> str | None:
-    """``thread/checkpoint ns without LangGraph's task ids/tool-call id``.
-
-    LangGraph's checkpoint ns is ``node:task_id``; the task id is the same when a
-    ``RetryPolicy`` re-runs a node or a resumed interrupt re-runs it (what the
-    built-in default key relies on), but a new one when the pipeline is run
-    again in a new process. The scripted model's call ids are unique per thread
-    and stable across runs, so keying on the node name instead makes a second
-    run of the whole demo replay too. With a real model keep the built-in key:
-    a new run gets new call ids anyway, and a business key in the policy
-    (``idempotency_key:``) is what recognises the same work sent twice.
-    """
-    flow = intent.workflow
-    if not intent.call_id or not flow.thread_id:
-        return default_idempotency_key(intent)
-    nodes = "|".join(part.split(":", 1)[0] for part in flow.checkpoint_ns.split("|")) \
-        if flow.checkpoint_ns else ""
-    return f"thread:{quote(flow.thread_id, safe='')}/{quote(nodes, safe='')}/" \
-           f"{quote(intent.call_id, safe='')}"
-
 
 # --- what a run reports ---------------------------------------------------------------------
 
@@ -817,7 +791,7 @@ def _guarded_calls(store: Any, locks: Any, policy_path: Path, notify: Callable[[
     from toolguard.guard import ToolGuard
     from toolguard.policies import load_policy
 
-    policy = load_policy(policy_path, key_fn=stable_idempotency_key)
+    policy = load_policy(policy_path)
     guard = ToolGuard(policy, locks=StallingLocks(locks, store, notify, granted), store=store)  # type: ignore[arg-type]
     return lambda agent: GuardedToolCalls(guard, agent=agent)
 

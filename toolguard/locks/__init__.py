@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from toolguard.errors import ConfigurationError, LockError, LockLost, LockTimeout, NotOwned
@@ -36,7 +37,12 @@ __all__ = [
     "sqlite_path",
 ]
 
-SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd")
+#: Redis Cluster and Sentinel (``toolguard.locks.redis_ha``): the Redis scripts, other clients.
+REDIS_HA_SCHEMES = ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+SCHEMES = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "etcd",
+           *REDIS_HA_SCHEMES)
+
+T = TypeVar("T")
 
 
 def sqlite_path(url: str) -> str:
@@ -49,29 +55,62 @@ def sqlite_path(url: str) -> str:
 
 
 def open_backend(url: str, **options: Any) -> LockBackend:
-    """The sync backend for ``url``, chosen by scheme."""
+    """The sync backend for ``url``, chosen by scheme.
+
+    An option the backend does not take is a ``ConfigurationError`` naming it (and
+    the options it does take), as is an option with a value it cannot use.
+    """
+    if not isinstance(url, str):
+        msg = f"a lock URL must be a string, got {url!r}"
+        raise ConfigurationError(msg)
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss", "unix"):
         require("redis", "the Redis lock backend")
         from toolguard.locks.redis import RedisBackend
 
-        return RedisBackend(url, **options)
+        return _construct(RedisBackend, scheme, url, options)
+    if scheme in REDIS_HA_SCHEMES:
+        require("redis", "the Redis Cluster/Sentinel lock backend")
+        from toolguard.locks.redis import RedisBackend
+        from toolguard.locks.redis_ha import open_sync
+
+        _check_options(RedisBackend, scheme, options)  # the same options as one Redis server
+        return open_sync(url, **options)
     if scheme == "sqlite":
         from toolguard.locks.sqlite import SqliteBackend
 
-        return SqliteBackend(sqlite_path(url), **options)
+        return _construct(SqliteBackend, scheme, sqlite_path(url), options)
     if scheme in ("postgresql", "postgres"):
         require("postgres", "the PostgreSQL lock backend")
         from toolguard.locks.postgres import PostgresBackend
 
-        return PostgresBackend(url, **options)
+        return _construct(PostgresBackend, scheme, url, options)
     if scheme == "etcd":
         require("etcd", "the etcd lock backend")
         from toolguard.locks.etcd import EtcdBackend
 
-        return EtcdBackend(url, **options)
+        return _construct(EtcdBackend, scheme, url, options)
     msg = f"unknown lock backend URL scheme {scheme!r} in {url!r}; expected one of {SCHEMES}"
     raise ConfigurationError(msg)
+
+
+def _construct(cls: type[T], scheme: str, target: str, options: dict[str, Any]) -> T:
+    """``cls(target, **options)``, with unknown options reported as configuration errors."""
+    _check_options(cls, scheme, options)
+    return cls(target, **options)
+
+
+def _check_options(cls: type[Any], scheme: str, options: dict[str, Any]) -> None:
+    """Raise ``ConfigurationError`` naming every option ``cls`` does not take."""
+    parameters = list(inspect.signature(cls).parameters.values())[1:]
+    known = sorted(p.name for p in parameters
+                   if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        msg = (f"unknown lock option{'s' if len(unknown) > 1 else ''} "
+               f"{', '.join(map(repr, unknown))} for {scheme}:// URLs; the backend takes "
+               f"{', '.join(known)}, and every manager {', '.join(sorted(_MANAGER_OPTIONS))}")
+        raise ConfigurationError(msg)
 
 
 def _async_backend(url: str, sync: LockBackend, **options: Any) -> AsyncLockBackend:
@@ -80,6 +119,10 @@ def _async_backend(url: str, sync: LockBackend, **options: Any) -> AsyncLockBack
         from toolguard.locks.redis import AsyncRedisBackend
 
         return AsyncRedisBackend(url, **options)
+    if scheme in REDIS_HA_SCHEMES:
+        from toolguard.locks.redis_ha import open_async
+
+        return open_async(url, **options)
     if scheme in ("postgresql", "postgres"):
         from toolguard.locks.postgres import AsyncPostgresBackend, PostgresBackend
 

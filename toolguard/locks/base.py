@@ -2,13 +2,24 @@
 
 A backend only knows single keys: try to take one (minting its fencing token in
 the same atomic step), wait to be woken, renew, release. Everything above that
-(sorting keys, all-or-nothing, one total deadline, backoff with jitter, leases
-and their loss) lives in ``toolguard.locks.manager`` and is the same for all of
-them.
+(sorting keys, all-or-nothing, one total deadline, backoff with jitter, retries
+of transient errors, leases and their loss) lives in ``toolguard.locks.manager``
+and is the same for all of them.
+
+Two rules every backend keeps, on which the manager's safety argument rests
+(see ``toolguard.locks.manager``):
+
+* ``try_acquire`` is idempotent per owner, and a grant it returns runs its TTL
+  from that call: a key already held by the caller is granted again from now
+  (a hand-off that raced with the end of a wait, a retry after a lost reply).
+* ``wait`` returns only a hand-off made after the caller's latest
+  ``try_acquire`` that answered "queued"; the releaser grants it for the
+  waiter's hand-off TTL (``owner_handoff_ms``), at most its presence window.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import uuid
 from collections.abc import Iterable, Sequence
@@ -24,8 +35,12 @@ __all__ = [
     "BackendInfo",
     "LockBackend",
     "canonical_keys",
+    "check_ms",
+    "check_seconds",
+    "check_ttl",
     "full_jitter",
     "new_owner",
+    "owner_handoff_ms",
     "owner_ttl_ms",
 ]
 
@@ -61,20 +76,25 @@ class LockBackend(Protocol):
     """Single-key primitives; each method is one atomic step on the server."""
 
     info: BackendInfo
+    #: A queued owner that has not called ``try_acquire`` for this long drops out of
+    #: line; a hand-off grants at most this long until the first renewal.
+    presence_ms: int
 
     def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
         """Grant ``key`` to ``owner`` if it is free and ``owner`` is first in line.
 
         Otherwise join (or stay in) the key's queue. The token is minted only on
         a grant, in the same step, and is greater than every earlier token for
-        the key.
+        the key. If ``owner`` holds ``key`` already, the grant is extended to
+        ``ttl_ms`` from this call and returned again.
         """
         ...
 
     def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
         """Block until woken for ``key`` or ``timeout_s`` passes.
 
-        Returns a token when the releaser handed the lock straight to ``owner``.
+        Returns a token when the releaser handed the lock straight to ``owner``
+        after the latest ``try_acquire`` that queued it (never an older one).
         """
         ...
 
@@ -109,6 +129,7 @@ class AsyncLockBackend(Protocol):
     """The asyncio face of a backend; renewals still go through the sync one."""
 
     info: BackendInfo
+    presence_ms: int
 
     async def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt: ...
 
@@ -125,6 +146,9 @@ def canonical_keys(keys: str | Iterable[str]) -> tuple[str, ...]:
     """Sorted, de-duplicated keys: the one order every agent takes them in."""
     if isinstance(keys, str):
         keys = (keys,)
+    if isinstance(keys, bytes | bytearray | memoryview) or not isinstance(keys, Iterable):
+        msg = f"lock keys must be a string or an iterable of strings, got {keys!r}"
+        raise ConfigurationError(msg)
     given = list(keys)
     for key in given:  # before sorting: a None among strings must be a ConfigurationError
         if not isinstance(key, str) or not key:
@@ -136,13 +160,30 @@ def canonical_keys(keys: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(set(given)))
 
 
-def new_owner(ttl_ms: int) -> str:
-    """A unique owner id for one acquisition; it carries the TTL so a releaser can hand off."""
-    return f"{uuid.uuid4().hex}:{ttl_ms}"
+def new_owner(ttl_ms: int, handoff_ms: int | None = None) -> str:
+    """A unique owner id for one acquisition: ``hex[:handoff]:ttl``.
+
+    It carries what a releaser in another process needs to hand the lock over:
+    the TTL, and the shorter hand-off TTL when there is one (the waiter's
+    presence window: a waiter that died while queued then holds up the line no
+    longer than that).
+    """
+    if handoff_ms is None or handoff_ms >= ttl_ms:
+        return f"{uuid.uuid4().hex}:{ttl_ms}"
+    return f"{uuid.uuid4().hex}:{handoff_ms}:{ttl_ms}"
 
 
 def owner_ttl_ms(owner: str) -> int:
     return int(owner.rsplit(":", 1)[1])
+
+
+def owner_handoff_ms(owner: str) -> int:
+    """How long a hand-off to ``owner`` lasts before its first renewal (its TTL if unset)."""
+    parts = owner.rsplit(":", 2)
+    ttl_ms = int(parts[-1])
+    if len(parts) == 3 and parts[1].isdigit():
+        return min(int(parts[1]), ttl_ms)
+    return ttl_ms
 
 
 def full_jitter(attempt: int, base_s: float, cap_s: float) -> float:
@@ -155,3 +196,21 @@ def check_ttl(ttl_ms: int) -> int:
         msg = f"ttl_ms must be an integer >= {MIN_TTL_MS} (every lock expires), got {ttl_ms!r}"
         raise ConfigurationError(msg)
     return ttl_ms
+
+
+def check_seconds(name: str, value: float, *, positive: bool = False) -> float:
+    """A finite duration in seconds, >= 0 (> 0 when ``positive``), else ``ConfigurationError``."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        msg = f"{name} must be a finite number of seconds {bound}, got {value!r}"
+        raise ConfigurationError(msg)
+    return float(value)
+
+
+def check_ms(name: str, value: int, minimum: int) -> int:
+    """An integer number of milliseconds >= ``minimum``, else ``ConfigurationError``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        msg = f"{name} must be an integer number of milliseconds >= {minimum}, got {value!r}"
+        raise ConfigurationError(msg)
+    return value

@@ -28,14 +28,19 @@ every process receives every deletion under the prefix, and a wait sends nothing
 
 Liveness has two layers:
 
-* A holder touches its entry on the grant and on every renewal (a put that keeps
-  value and lease, so only mod_revision moves). A contender that sees the first
-  entry's mod_revision unchanged for that owner's whole TTL, measured on its own
-  monotonic clock from when it first saw it, deletes the entry with a compare on
-  that mod_revision: the holder's local deadline has passed by then (the same
-  clock-rate assumption as every backend's 2% margin). A crashed holder's lock, or
-  a crashed waiter that reached the front, frees within its TTL of the first
-  contender's arrival.
+* Every contender touches its entry on each ``try_acquire`` (a put that keeps the
+  lease, so mod_revision moves): a waiter at least every third of its presence
+  window (``presence_ms``, carried in its owner id as the hand-off TTL, at most its
+  TTL), and the grant marks the entry ``h`` in the same step. A holder touches it
+  on every renewal. A contender that sees an entry ahead of it with its
+  mod_revision unchanged, measured on its own monotonic clock from when it first
+  saw it, deletes it with a compare on that mod_revision once it has been silent
+  for the owner's TTL if it is a holder (marked ``h``: its local deadline has passed
+  by then, the same clock-rate assumption as every backend's 2% margin), or for the
+  owner's presence window if it is a waiter (it holds nothing; it only loses its
+  place). A crashed holder's lock frees within its TTL of the first contender's
+  sight of it; a crashed waiter holds up the line no longer than its presence
+  window. Contenders look at the first entry and the few just ahead of them.
 * Every entry is attached to a process lease, the backstop that removes the entries
   of a dead process when nobody contends. There is one etcd lease per process and
   TTL class rather than one per lock, so ``renew`` is one keepalive per class plus
@@ -75,7 +80,7 @@ from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Et
 from requests.adapters import HTTPAdapter
 
 from toolguard.errors import BackendUnavailable, ConfigurationError
-from toolguard.locks.base import Attempt, BackendInfo
+from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms, check_seconds
 
 __all__ = ["AsyncEtcdBackend", "EtcdBackend", "etcd_keys", "lease_seconds", "parse_etcd_url"]
 
@@ -90,6 +95,13 @@ INFO = BackendInfo(
 )
 
 DEFAULT_PREFIX = "toolguard/lock/"
+DEFAULT_PRESENCE_MS = 2_000
+#: How many entries just ahead of a waiter it reads (and may expire) on each try.
+AHEAD_SEEN = 8
+#: The value of a holder's entry; a waiter's is empty.
+HELD = b"h"
+#: Silence clocks remembered per process (entries long gone drop out first).
+SILENCE_SEEN = 4096
 #: The process lease of a lock lasts this many TTLs, rounded up to whole seconds.
 LEASE_FACTOR = 1.5
 #: etcd's default ``--max-txn-ops``: renew touches at most this many entries per transaction.
@@ -146,8 +158,9 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 
 def _range(key: bytes, end: bytes | None = None, *, limit: int = 0, newest_first: bool = False,
-           by_creation: bool = False, max_create_revision: int = 0) -> dict[str, Any]:
-    request: dict[str, Any] = {"key": _b64(key), "keys_only": end is not None}
+           by_creation: bool = False, max_create_revision: int = 0,
+           values: bool = False) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": _b64(key), "keys_only": end is not None and not values}
     if end is not None:
         request["range_end"] = _b64(end)
     if limit:
@@ -169,11 +182,50 @@ def _touch(key: bytes) -> dict[str, Any]:
     return {"request_put": {"key": _b64(key), "ignore_value": True, "ignore_lease": True}}
 
 
+def _mark_held(key: bytes) -> dict[str, Any]:
+    """The grant: a put that keeps the lease and marks the entry as the holder's."""
+    return {"request_put": {"key": _b64(key), "value": _b64(HELD), "ignore_lease": True}}
+
+
+def _owner_of(entry: bytes) -> str:
+    return unquote(entry.rsplit(b"/", 1)[-1].decode("ascii", "replace"))
+
+
 def _owner_ttl_ms(entry: bytes) -> int | None:
     """The TTL carried in an entry's owner id (``base.new_owner``); None if it has none."""
-    owner = unquote(entry.rsplit(b"/", 1)[-1].decode("ascii", "replace"))
+    owner = _owner_of(entry)
     ttl = owner.rsplit(":", 1)[-1]
     return int(ttl) if ttl.isdigit() and ":" in owner else None
+
+
+def _owner_presence_ms(entry: bytes) -> int | None:
+    """How long a waiter's entry may stay untouched: its hand-off TTL (its presence
+    window, at most its TTL); an owner id of an older version carries only its TTL."""
+    ttl = _owner_ttl_ms(entry)
+    if ttl is None:
+        return None
+    parts = _owner_of(entry).rsplit(":", 2)
+    if len(parts) == 3 and parts[1].isdigit():
+        return min(int(parts[1]), ttl)
+    return ttl
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """An entry ahead of a contender, as one reply showed it."""
+
+    key: bytes
+    mod_revision: int
+    held: bool
+
+    @classmethod
+    def of(cls, kv: dict[str, Any]) -> _Seen:
+        return cls(_unb64(kv["key"]), int(kv["mod_revision"]),
+                   _unb64(kv.get("value", "")) == HELD)
+
+    def silence_ms(self) -> int | None:
+        """How long this entry may go untouched before a contender removes it."""
+        return _owner_ttl_ms(self.key) if self.held else _owner_presence_ms(self.key)
 
 
 def _offset(response: dict[str, Any]) -> int:
@@ -376,16 +428,20 @@ class EtcdBackend:
     info = INFO
 
     def __init__(self, url: str = "etcd://127.0.0.1:2379", *, prefix: str | None = None,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, presence_ms: int = DEFAULT_PRESENCE_MS) -> None:
         self.endpoints, url_prefix = parse_etcd_url(url)
+        if prefix is not None and (not isinstance(prefix, str) or not prefix):
+            msg = f"prefix must be a non-empty string, got {prefix!r}"
+            raise ConfigurationError(msg)
         self.prefix = (prefix or url_prefix or DEFAULT_PREFIX).encode()
-        self.timeout_s = timeout_s
+        self.timeout_s = check_seconds("timeout_s", timeout_s, positive=True)
+        self.presence_ms = check_ms("presence_ms", presence_ms, MIN_TTL_MS)
         self._mutex = threading.Lock()
         self._lease_mutex = threading.Lock()  # one keepalive or grant at a time per process
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._leases: dict[int, _ProcessLease] = {}
-        # lock key -> (first entry, its mod_revision, when this process first saw that pair)
-        self._silence: dict[str, tuple[bytes, int, float]] = {}
+        # queue entry -> (its mod_revision, when this process first saw it with that revision)
+        self._silence: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self._current = 0
         self._client: Etcd3Client | None = None
         self._api_path: str | None = None
@@ -493,17 +549,17 @@ class EtcdBackend:
     # --- the protocol ---------------------------------------------------------------------------
 
     def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
-        """Create this owner's queue entry if needed and see whether it is first: one txn.
+        """Create (or touch) this owner's queue entry and see whether it is first: one txn.
 
         A keepalive goes first when the process lease could expire within the TTL;
-        expiring a silent holder (see ``_expire_if_silent``) costs two more round trips.
+        expiring silent entries ahead (see ``_expire_silent``) costs one more round trip.
         """
         seconds = lease_seconds(ttl_ms)
         names = _Names.of(self.prefix, key, owner)
         # The holder's local deadline starts before this call: the lease must outlive the TTL.
         need_s = ttl_ms / 1000 + 0.01
         attempt = Attempt(token=None)
-        for _ in range(3):  # a lease that vanished, an entry made elsewhere, a silent holder
+        for _ in range(3):  # a lease that vanished, an entry made elsewhere, a silent entry
             with self._mutex:
                 entry = self._entries.get((key, owner))
             lease = self._lease(seconds, need_s)
@@ -516,37 +572,45 @@ class EtcdBackend:
             step = self._read_acquire(key, owner, names, seconds, entry, reply)
             if step is None:  # our entry, unknown to this object: read again knowing it
                 continue
-            attempt, head = step
+            attempt, ahead = step
             if attempt.granted:
-                with self._mutex:
-                    self._silence.pop(key, None)
                 return attempt
-            retry_ms = self._expire_if_silent(names, key, head, sent)
+            retry_ms = self._expire_silent(ahead, sent)
             if retry_ms is not None:
                 return Attempt(token=None, retry_ms=retry_ms)
         return attempt
 
     def _acquire_txn(self, names: _Names, lease_id: int, entry: _Entry | None) -> dict[str, Any]:
-        """Success (a new entry): [put, newest two, floor, head]. Failure (already queued):
-        [mine, the one ahead, floor, head, touch mine if first]."""
-        head = _range(names.queue, names.queue_end, limit=1, by_creation=True)
+        """Success (a new entry): [put it, marked held if the line was empty; mine and the
+        ones just ahead; floor; head]. Failure (already in line): [mine; the ones just
+        ahead; floor; head; mark mine held if first, else touch it]."""
+        head = _range(names.queue, names.queue_end, limit=1, by_creation=True, values=True)
         failure = [_range(names.entry), head, _range(names.floor), head]
         if entry is not None:
-            failure[1] = _range(names.queue, names.queue_end, limit=1, by_creation=True,
-                                newest_first=True, max_create_revision=max(1, entry.revision - 1))
-            # First in line: touch the entry, so the grant starts its silence clock afresh.
+            failure[1] = _range(names.queue, names.queue_end, limit=AHEAD_SEEN, by_creation=True,
+                                newest_first=True, max_create_revision=max(1, entry.revision - 1),
+                                values=True)
+            # First in line: the grant, marked on the entry (which restarts its silence
+            # clock). Otherwise a touch: this waiter is present.
             failure.append({"request_txn": {
                 "compare": [{"key": _b64(names.queue), "range_end": _b64(names.queue_end),
                              "target": "CREATE", "result": "GREATER",
                              "create_revision": entry.revision - 1}],
-                "success": [_touch(names.entry)], "failure": []}})
+                "success": [_mark_held(names.entry)], "failure": [_touch(names.entry)]}})
+        empty = {"key": _b64(names.queue), "range_end": _b64(names.queue_end),
+                 "target": "CREATE", "result": "EQUAL", "create_revision": 0}
         return self._txn(
             "acquire",
             compare=[{"key": _b64(names.entry), "target": "CREATE", "result": "EQUAL",
                       "create_revision": 0}],
             success=[
-                {"request_put": {"key": _b64(names.entry), "value": "", "lease": lease_id}},
-                _range(names.queue, names.queue_end, limit=2, by_creation=True, newest_first=True),
+                {"request_txn": {"compare": [empty], "success": [
+                    {"request_put": {"key": _b64(names.entry), "value": _b64(HELD),
+                                     "lease": lease_id}}],
+                    "failure": [{"request_put": {"key": _b64(names.entry), "value": "",
+                                                 "lease": lease_id}}]}},
+                _range(names.queue, names.queue_end, limit=AHEAD_SEEN + 1, by_creation=True,
+                       newest_first=True, values=True),
                 _range(names.floor),
                 head,
             ],
@@ -555,68 +619,81 @@ class EtcdBackend:
 
     def _read_acquire(self, key: str, owner: str, names: _Names, seconds: int,
                       entry: _Entry | None, reply: dict[str, Any]
-                      ) -> tuple[Attempt, tuple[bytes, int]] | None:
-        """The attempt and the head entry (key, mod_revision); None to ask again."""
+                      ) -> tuple[Attempt, list[_Seen]] | None:
+        """The attempt and the entries seen ahead (the first one, then the ones just ahead
+        of ours); None to ask again."""
         revision = int(reply["header"]["revision"])
         responses = reply.get("responses", [])
         offset = _offset(responses[2])
-        first = _kvs(responses[3])[0]
-        head = (_unb64(first["key"]), int(first["mod_revision"]))
+        head = _Seen.of(_kvs(responses[3])[0])
         if reply.get("succeeded"):
             mine = revision
-            newest = _kvs(responses[1])  # my new entry, then the one just ahead of it
-            ahead = _unb64(newest[1]["key"]) if len(newest) > 1 else None
+            ahead = [_Seen.of(kv) for kv in _kvs(responses[1])[1:]]  # mine is the newest
         else:
             mine = int(_kvs(responses[0])[0]["create_revision"])
             if entry is None or entry.revision != mine:
-                with self._mutex:  # remember it; the next read touches it if it is first
+                with self._mutex:  # remember it; the next read touches it
                     self._entries[(key, owner)] = _Entry(revision=mine, lease_seconds=seconds,
                                                          ahead=None, seen=revision)
                 return None
-            found = _kvs(responses[1])
-            ahead = _unb64(found[0]["key"]) if found else None
+            ahead = [_Seen.of(kv) for kv in _kvs(responses[1])]
         token = None
-        if ahead is None:
+        if not ahead:
             known = entry.token if entry is not None and entry.revision == mine else None
             token = known if known is not None else mine + offset
         with self._mutex:
             self._entries[(key, owner)] = _Entry(revision=mine, lease_seconds=seconds,
-                                                 ahead=ahead, seen=revision, token=token)
-        return Attempt(token=token), head
+                                                 ahead=ahead[0].key if ahead else None,
+                                                 seen=revision, token=token)
+        seen = [head, *(a for a in ahead if a.key != head.key)] if ahead else []
+        return Attempt(token=token), seen
 
-    def _expire_if_silent(self, names: _Names, key: str, head: tuple[bytes, int],
-                          sent: float) -> int | None:
-        """Delete the first entry if it has not been touched for its whole TTL.
+    def _expire_silent(self, seen: list[_Seen], sent: float) -> int | None:
+        """Delete the entries ahead that have gone untouched for too long.
 
-        Holders touch their entry on every renewal (and on the grant), so an entry
-        whose mod_revision this process saw unchanged from ``first_seen`` (when the
-        reply arrived) until ``sent`` (before the request that saw it again) has been
-        silent on the server for longer than that: its holder's local deadline has
-        passed, and the delete is conditional on the same mod_revision. This frees a
-        crashed holder's lock within its TTL, not the lease's whole seconds.
-        Returns None after a delete (ask again), else ms until the entry would be silent.
+        Every live contender touches its entry (a waiter on each try, a holder on each
+        renewal and on the grant), so an entry whose mod_revision this process saw
+        unchanged from ``first_seen`` (when a reply showed it) until ``sent`` (before
+        the request that showed it again) has been silent on the server for longer than
+        that. A holder (marked ``h``) may be removed after its TTL, when its local
+        deadline has passed; a waiter after its presence window. Each delete is
+        conditional on the same mod_revision. Returns None after a delete (ask again),
+        else ms until the first of them would be silent long enough.
         """
-        holder_ttl_ms = _owner_ttl_ms(head[0])
         now = time.monotonic()
+        expired: list[_Seen] = []
+        wait_ms: int | None = None
         with self._mutex:
-            seen = self._silence.get(key)
-            if seen is None or seen[:2] != head:
-                self._silence[key] = (head[0], head[1], now)
-                silent_s = 0.0
-            else:
-                silent_s = sent - seen[2]
-        if holder_ttl_ms is None:
-            return 0
-        if silent_s * 1000 < holder_ttl_ms:
-            return max(1, math.ceil(holder_ttl_ms - silent_s * 1000))
+            for entry in seen:
+                known = self._silence.get(entry.key)
+                if known is None or known[0] != entry.mod_revision:
+                    self._silence[entry.key] = (entry.mod_revision, now)
+                    self._silence.move_to_end(entry.key)
+                    silent_s = 0.0
+                else:
+                    silent_s = sent - known[1]
+                bound_ms = entry.silence_ms()
+                if bound_ms is None:
+                    continue
+                if silent_s * 1000 >= bound_ms:
+                    expired.append(entry)
+                else:
+                    left = max(1, math.ceil(bound_ms - silent_s * 1000))
+                    wait_ms = left if wait_ms is None else min(wait_ms, left)
+            while len(self._silence) > SILENCE_SEEN:
+                self._silence.popitem(last=False)
+        if not expired:
+            return wait_ms if wait_ms is not None else 0
         self._txn(  # deleted, or touched meanwhile: either way, ask again
-            "expire silent holder",
-            compare=[{"key": _b64(head[0]), "target": "MOD", "result": "EQUAL",
-                      "mod_revision": head[1]}],
-            success=[{"request_delete_range": {"key": _b64(head[0])}}],
+            "expire silent entries", [],
+            [{"request_txn": {"compare": [{"key": _b64(e.key), "target": "MOD", "result": "EQUAL",
+                                           "mod_revision": e.mod_revision}],
+                              "success": [{"request_delete_range": {"key": _b64(e.key)}}],
+                              "failure": []}} for e in expired],
         )
         with self._mutex:
-            self._silence.pop(key, None)
+            for entry in expired:
+                self._silence.pop(entry.key, None)
         return None
 
     def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
@@ -645,7 +722,8 @@ class EtcdBackend:
             entry = self._entries.get((key, owner))
         if entry is None or entry.ahead is None:
             return None
-        return entry.ahead, entry.seen, max(0.001, min(timeout_s, entry.lease_seconds / 3))
+        budget = min(timeout_s, entry.lease_seconds / 3, self.presence_ms / 3000)
+        return entry.ahead, entry.seen, max(0.001, budget)
 
     def _watch(self) -> _DeletionWatch:
         deletions = self._deletions
@@ -765,6 +843,10 @@ class AsyncEtcdBackend:
 
     def __init__(self, sync: EtcdBackend) -> None:
         self.sync = sync
+
+    @property
+    def presence_ms(self) -> int:
+        return self.sync.presence_ms
 
     async def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
         return await asyncio.to_thread(self.sync.try_acquire, key, owner, ttl_ms)

@@ -35,6 +35,11 @@ class Lease:
     learns the lease is gone: the server said "not yours", or renewals failed
     until the local deadline passed. Call ``check()`` before a side effect that
     cannot check tokens itself; pass ``tokens`` to one that can.
+
+    ``deadline`` (local monotonic time) is when the server may have let the
+    lease go at the earliest: ``acquired_at`` (sent before the grant) plus the
+    TTL the grant ran for, which for a hand-off is the shorter ``first_ttl_ms``,
+    less a margin for clock-rate drift. Each renewal moves it.
     """
 
     def __init__(
@@ -47,13 +52,15 @@ class Lease:
         acquired_at: float,
         backend: LockBackend,
         releaser: Any,
+        first_ttl_ms: float | None = None,
     ) -> None:
+        first_ms = ttl_ms if first_ttl_ms is None else min(first_ttl_ms, ttl_ms)
         self.keys = keys
         self.tokens: Mapping[str, int] = MappingProxyType(dict(tokens))
         self.owner = owner
         self.ttl_ms = ttl_ms
         self.acquired_at = acquired_at
-        self.deadline = acquired_at + ttl_ms / 1000 * (1 - DRIFT_FRACTION)
+        self.deadline = acquired_at + first_ms / 1000 * (1 - DRIFT_FRACTION)
         self.lost_event = threading.Event()
         self.lost_reason: LockLost | None = None
         self.released = False
@@ -61,7 +68,8 @@ class Lease:
         self._releaser = releaser
         self._callbacks: list[Callable[[Lease], None]] = []
         self._lock = threading.Lock()
-        self._renewed_at = acquired_at
+        #: When the heartbeat should renew next: a third into the TTL the grant runs for.
+        self._renew_due = acquired_at + first_ms / 1000 * RENEW_FRACTION
 
     # --- state ------------------------------------------------------------------
 
@@ -168,7 +176,7 @@ class Heartbeat:
             return list(self._leases.values())
 
     def _due_at(self, lease: Lease) -> float:
-        return lease._renewed_at + lease.ttl_ms / 1000 * RENEW_FRACTION
+        return lease._renew_due
 
     @staticmethod
     def _early_s(lease: Lease) -> float:
@@ -259,7 +267,7 @@ class Heartbeat:
             results = owned[position:position + len(lease.keys)]
             position += len(lease.keys)
             if all(results):
-                lease._renewed_at = sent_at
+                lease._renew_due = sent_at + lease.ttl_ms / 1000 * RENEW_FRACTION
                 lease.deadline = sent_at + lease.ttl_ms / 1000 * (1 - DRIFT_FRACTION)
             else:
                 gone = [k for k, ok in zip(lease.keys, results, strict=True) if not ok]
@@ -276,7 +284,7 @@ class Heartbeat:
                 self.remove(lease)
             else:
                 retry_in = min(lease.ttl_ms / 1000 / 10, max(0.0, lease.deadline - sent_at) / 2)
-                lease._renewed_at = time.monotonic() + retry_in - lease.ttl_ms / 1000 * RENEW_FRACTION
+                lease._renew_due = time.monotonic() + retry_in
 
 
 _heartbeat = Heartbeat()

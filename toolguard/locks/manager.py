@@ -5,6 +5,43 @@ order; on each key wait in its FIFO queue; when a later key of a multi-key set
 is not granted within ``round_wait_s``, give back what is held, back off with
 full jitter and start a new round; past the total deadline raise
 ``LockTimeout`` naming the key that was not granted.
+
+Why a lease is the server's current grant when ``acquire`` returns it
+---------------------------------------------------------------------
+The lease's local ``deadline`` is ``start + grant TTL``, less a drift margin,
+where ``start`` is a local time known to precede the server setting that TTL:
+
+* A direct grant (``try_acquire`` returned a token) ran its TTL from that call,
+  also when the key was already ours (backends extend it then, see
+  ``toolguard.locks.base``): ``start`` is the call's send time.
+* A hand-off (``wait`` returned a token) is one the releaser made after our
+  latest ``try_acquire`` that answered "queued": a backend never returns an
+  older one (PostgreSQL and SQLite drop tokens at or below the key's last token
+  as that call saw it; Redis clears the waiter's hand-off list in that call). The
+  releaser grants it for the waiter's hand-off TTL (``owner_handoff_ms``: the
+  TTL, at most the presence window). So ``start`` is that call's send time, and
+  the grant TTL the hand-off TTL. Waits between calls are capped at a third of
+  the hand-off TTL, so a hand-off arrives with two thirds of it left.
+* Before handing a lease out, the manager checks that at least a third of the
+  grant's TTL is left on the local clock. A grant that is older (the process
+  was stopped, a reply was slow) is not returned: the manager asks
+  ``try_acquire`` again, which extends the grant from that call if it is still
+  ours, or queues the owner again if it expired and went to someone else.
+
+Hence a lease returned is held on the server at the moment it is returned, and
+``lease.lost`` turns true no later than the server can give the key away.
+
+Transient errors
+----------------
+``BackendUnavailable`` from ``try_acquire`` or ``wait`` is retried within the
+caller's own deadline (the key's wait deadline), with jittered exponential
+backoff. Retrying is safe: acquire is idempotent per owner, and a grant whose
+reply was lost is found again (and extended from the call that finds it, so its
+``start`` is that call's). When the deadline passes, the acquisition ends in
+``BackendUnavailable`` if the last call to the server failed (the server is
+away; nobody is known to hold the key), else in ``LockTimeout``. Giving up
+releases what it holds best-effort; each release is bounded by the backend's
+call timeouts, so it never hangs.
 """
 
 from __future__ import annotations
@@ -14,14 +51,21 @@ import contextlib
 import random
 import time
 from collections.abc import Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from toolguard.errors import LockLost, LockTimeout
+from toolguard.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    LockError,
+    LockLost,
+    LockTimeout,
+)
 from toolguard.locks.base import (
     AsyncLockBackend,
     LockBackend,
     canonical_keys,
+    check_seconds,
     check_ttl,
     full_jitter,
     new_owner,
@@ -34,11 +78,32 @@ __all__ = ["AsyncLockManager", "LockManager"]
 #: crashed holder's TTL runs out, and keeps the waiter's place in the queue alive.
 MAX_POLL_S = 0.5
 POLL_JITTER_S = 0.005
+#: Backoff between retries of a call that failed with a transient error.
+RETRY_BASE_S = 0.02
+RETRY_CAP_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class _Grant:
+    """One key's grant: its token, a local time before the server set its TTL, that TTL."""
+
+    token: int
+    start: float
+    ttl_ms: int
+
+    @property
+    def expires(self) -> float:
+        """The earliest local time at which the server may let the grant go (before drift)."""
+        return self.start + self.ttl_ms / 1000
+
+    def usable(self, now: float) -> bool:
+        """At least a third of the grant's TTL is left: enough to renew it in time."""
+        return now < self.expires - self.ttl_ms / 1000 * RENEW_FRACTION
 
 
 @dataclass(slots=True)
 class _Plan:
-    """Deadlines and backoff for one acquisition; pure, shared by sync and async."""
+    """Deadlines, backoff and retries for one acquisition; pure, shared by sync and async."""
 
     keys: tuple[str, ...]
     ttl_ms: int
@@ -46,19 +111,32 @@ class _Plan:
     round_wait_s: float
     backoff_base_s: float
     backoff_cap_s: float
+    #: How long a hand-off to this acquisition runs before its first renewal.
+    handoff_ms: int = 0
+    owner: str = ""
     rounds: int = 0
+    failures: int = 0
+    #: The last transport error, cleared by every answer from the server.
+    last_error: BackendUnavailable | None = None
+    grants: dict[str, _Grant] = field(default_factory=dict)
 
-    def key_deadline(self, index: int, held_since: float) -> float:
+    def __post_init__(self) -> None:
+        if not self.handoff_ms:
+            self.handoff_ms = self.ttl_ms
+        if not self.owner:
+            self.owner = new_owner(self.ttl_ms, self.handoff_ms)
+
+    def key_deadline(self, index: int) -> float:
         """The first key waits for the whole deadline; later ones only for one round.
 
-        Keys already taken are not renewed until the lease exists, so a later
-        key is awaited at most until the first one is due for renewal
-        (``held_since`` + ttl/3): the lease is never handed out already expired.
+        Keys already taken are not renewed until the lease exists, so a later key
+        is awaited at most until the earliest grant held is a third into its TTL:
+        the lease is never handed out with less than two thirds of it left.
         """
         if index == 0:
             return self.deadline
-        return min(self.deadline, time.monotonic() + self.round_wait_s,
-                   held_since + self.ttl_ms / 1000 * RENEW_FRACTION)
+        held = min(g.start + g.ttl_ms / 1000 * RENEW_FRACTION for g in self.grants.values())
+        return min(self.deadline, time.monotonic() + self.round_wait_s, held)
 
     def poll_s(self, until: float, retry_ms: int) -> float | None:
         remaining = until - time.monotonic()
@@ -69,7 +147,24 @@ class _Plan:
             hint = retry_ms / 1000 + random.uniform(0.0, POLL_JITTER_S)
         else:
             hint = MAX_POLL_S * random.uniform(0.5, 1.0)
-        return max(0.001, min(remaining, hint, MAX_POLL_S))
+        # A hand-off starts its TTL at the last "queued" answer: ask again often enough
+        # that it arrives with two thirds of its TTL left.
+        cap = min(MAX_POLL_S, self.handoff_ms / 1000 * RENEW_FRACTION)
+        return max(0.001, min(remaining, hint, cap))
+
+    def answered(self) -> None:
+        """The server answered: the failure streak is over."""
+        self.failures = 0
+        self.last_error = None
+
+    def retry_s(self, error: BackendUnavailable, until: float) -> float | None:
+        """How long to pause before retrying after ``error``; None past ``until``."""
+        self.last_error = error
+        self.failures += 1
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return None
+        return min(remaining, max(0.001, full_jitter(self.failures, RETRY_BASE_S, RETRY_CAP_S)))
 
     def backoff_s(self) -> float | None:
         """Sleep before the next round, or None when the deadline leaves no room for one."""
@@ -79,9 +174,37 @@ class _Plan:
             return None
         return min(remaining, full_jitter(self.rounds, self.backoff_base_s, self.backoff_cap_s))
 
-    def timeout(self, key: str) -> LockTimeout:
+    def failure(self, key: str) -> LockError | BackendUnavailable:
+        """What giving up on ``key`` raises: the server's absence, or contention."""
+        if self.last_error is not None:
+            msg = (f"lock server unavailable while waiting for lock {key!r} "
+                   f"(keys {list(self.keys)}): {self.last_error}")
+            error = BackendUnavailable(msg)
+            error.__cause__ = self.last_error
+            return error
         msg = f"timed out waiting for lock {key!r} (keys {list(self.keys)})"
         return LockTimeout(msg, keys=(key,))
+
+    def lease_window(self) -> tuple[float, float]:
+        """``(acquired_at, first_ttl_ms)`` covering every grant: the earliest start, and
+        the time from it to the earliest expiry."""
+        start = min(g.start for g in self.grants.values())
+        expires = min(g.expires for g in self.grants.values())
+        return start, (expires - start) * 1000
+
+    def usable(self) -> bool:
+        now = time.monotonic()
+        return all(g.usable(now) for g in self.grants.values())
+
+
+def _check_keys_and_options(keys: str | Iterable[str], ttl_ms: int | None,
+                            timeout_s: float | None) -> tuple[str, ...]:
+    """Validate the per-call arguments eagerly (``ConfigurationError`` naming the value)."""
+    if ttl_ms is not None:
+        check_ttl(ttl_ms)
+    if timeout_s is not None:
+        check_seconds("timeout_s", timeout_s)
+    return canonical_keys(keys)
 
 
 class _ManagerBase:
@@ -95,22 +218,45 @@ class _ManagerBase:
         backoff_cap_s: float = 0.25,
     ) -> None:
         self.ttl_ms = check_ttl(ttl_ms)
-        self.timeout_s = timeout_s
-        self.round_wait_s = round_wait_s
-        self.backoff_base_s = backoff_base_s
-        self.backoff_cap_s = backoff_cap_s
+        self.timeout_s = check_seconds("timeout_s", timeout_s)
+        self.round_wait_s = check_seconds("round_wait_s", round_wait_s, positive=True)
+        self.backoff_base_s = check_seconds("backoff_base_s", backoff_base_s)
+        self.backoff_cap_s = check_seconds("backoff_cap_s", backoff_cap_s)
+        if self.backoff_cap_s < self.backoff_base_s:
+            msg = (f"backoff_cap_s ({backoff_cap_s!r}) must not be below backoff_base_s "
+                   f"({backoff_base_s!r})")
+            raise ConfigurationError(msg)
+
+    def _presence_ms(self) -> int | None:
+        presence = getattr(self._queueing_backend(), "presence_ms", None)
+        return presence if isinstance(presence, int) and presence > 0 else None
+
+    def _queueing_backend(self) -> Any:
+        raise NotImplementedError
 
     def _plan(self, keys: str | Iterable[str], ttl_ms: int | None,
               timeout_s: float | None) -> _Plan:
+        canonical = _check_keys_and_options(keys, ttl_ms, timeout_s)
         wait = self.timeout_s if timeout_s is None else timeout_s
+        ttl = self.ttl_ms if ttl_ms is None else ttl_ms
+        presence = self._presence_ms()
         return _Plan(
-            keys=canonical_keys(keys),
-            ttl_ms=check_ttl(self.ttl_ms if ttl_ms is None else ttl_ms),
-            deadline=time.monotonic() + max(0.0, wait),
+            keys=canonical,
+            ttl_ms=ttl,
+            deadline=time.monotonic() + wait,
             round_wait_s=self.round_wait_s,
             backoff_base_s=self.backoff_base_s,
             backoff_cap_s=self.backoff_cap_s,
+            handoff_ms=min(ttl, presence) if presence else ttl,
         )
+
+    def _new_lease(self, plan: _Plan, renewer: LockBackend) -> Lease:
+        acquired_at, first_ttl_ms = plan.lease_window()
+        lease = Lease(keys=plan.keys, tokens={k: g.token for k, g in plan.grants.items()},
+                      owner=plan.owner, ttl_ms=plan.ttl_ms, acquired_at=acquired_at,
+                      backend=renewer, releaser=self, first_ttl_ms=first_ttl_ms)
+        heartbeat().add(lease)
+        return lease
 
 
 class LockManager(_ManagerBase):
@@ -124,61 +270,83 @@ class LockManager(_ManagerBase):
         super().__init__(**options)
         self.backend = backend
 
+    def _queueing_backend(self) -> Any:
+        return self.backend
+
     def acquire(self, keys: str | Iterable[str], *, ttl_ms: int | None = None,
                 timeout_s: float | None = None) -> Lease:
-        """Take every key or none; raise ``LockTimeout`` (naming the key) at the deadline."""
+        """Take every key or none; raise ``LockTimeout`` (naming the key) at the deadline,
+        or ``BackendUnavailable`` if the lock server was away until then."""
         plan = self._plan(keys, ttl_ms, timeout_s)
-        owner = new_owner(plan.ttl_ms)
         while True:
-            started = time.monotonic()
-            tokens: dict[str, int] = {}
+            plan.grants.clear()
             try:
                 for index, key in enumerate(plan.keys):
-                    taken = self._take(key, owner, plan, plan.key_deadline(index, started))
-                    if taken is None:
+                    grant = self._take(key, plan, plan.key_deadline(index))
+                    if grant is None:
                         break
-                    tokens[key] = taken[0]
-                    if index == 0:
-                        started = taken[1]
+                    plan.grants[key] = grant
             except BaseException:
-                self._give_back(plan.keys, owner)
+                self._give_back(plan.keys, plan.owner)
                 raise
-            if len(tokens) == len(plan.keys):
-                return self._lease(plan, owner, tokens, started)
-            missing = plan.keys[len(tokens)]
-            self._give_back(tuple(tokens), owner)
+            if len(plan.grants) == len(plan.keys) and plan.usable():
+                return self._new_lease(plan, self.backend)
+            missing = next((k for k in plan.keys if k not in plan.grants), plan.keys[0])
+            self._give_back(plan.keys, plan.owner)
             pause = plan.backoff_s()
             if pause is None:
-                raise plan.timeout(missing)
+                raise plan.failure(missing)
             time.sleep(pause)
 
-    def _take(self, key: str, owner: str, plan: _Plan, until: float) -> tuple[int, float] | None:
-        """``(token, sent_at)``: sent_at, taken before the granting call, bounds the TTL's start."""
-        sent_at = time.monotonic()
-        attempt = self.backend.try_acquire(key, owner, plan.ttl_ms)
-        while attempt.token is None:
+    def _take(self, key: str, plan: _Plan, until: float) -> _Grant | None:
+        """Wait in line for ``key`` until granted (a usable grant) or ``until`` passes."""
+        owner = plan.owner
+        while True:
+            sent = time.monotonic()
+            try:
+                attempt = self.backend.try_acquire(key, owner, plan.ttl_ms)
+            except BackendUnavailable as error:
+                pause = plan.retry_s(error, until)
+                if pause is None:
+                    return None
+                time.sleep(pause)
+                continue
+            plan.answered()
+            if attempt.token is not None:
+                grant = _Grant(attempt.token, sent, plan.ttl_ms)
+                if grant.usable(time.monotonic()):
+                    return grant
+                if time.monotonic() >= until:  # too old, and no time left to ask again
+                    self._leave(key, owner)
+                    return None
+                continue  # too old to hand out: ask again (extended if still ours)
+            queued_at = sent
             poll = plan.poll_s(until, attempt.retry_ms)
             if poll is None:
-                self.backend.release(key, owner)  # leave the queue (or return a late hand-off)
+                self._leave(key, owner)  # leave the queue (or return a late hand-off)
                 return None
-            sent_at = time.monotonic()
-            handed = self.backend.wait(key, owner, poll)
+            try:
+                handed = self.backend.wait(key, owner, poll)
+            except BackendUnavailable as error:
+                pause = plan.retry_s(error, until)
+                if pause is None:
+                    self._leave(key, owner)
+                    return None
+                time.sleep(pause)
+                continue
             if handed is not None:
-                return handed, sent_at
-            sent_at = time.monotonic()
-            attempt = self.backend.try_acquire(key, owner, plan.ttl_ms)
-        return attempt.token, sent_at
+                grant = _Grant(handed, queued_at, plan.handoff_ms)
+                if grant.usable(time.monotonic()):
+                    return grant
+                # Handed over too long ago (this process was stopped?): ask again.
+
+    def _leave(self, key: str, owner: str) -> None:
+        with contextlib.suppress(Exception):  # best effort: an unreleased entry lapses by itself
+            self.backend.release(key, owner)
 
     def _give_back(self, keys: tuple[str, ...], owner: str) -> None:
         for key in keys:
-            with contextlib.suppress(Exception):
-                self.backend.release(key, owner)
-
-    def _lease(self, plan: _Plan, owner: str, tokens: dict[str, int], started: float) -> Lease:
-        lease = Lease(keys=plan.keys, tokens=tokens, owner=owner, ttl_ms=plan.ttl_ms,
-                      acquired_at=started, backend=self.backend, releaser=self)
-        heartbeat().add(lease)
-        return lease
+            self._leave(key, owner)
 
     def release(self, lease: Lease) -> None:
         if lease.released:
@@ -221,63 +389,89 @@ class AsyncLockManager(_ManagerBase):
         self.backend = backend
         self.renewer = renewer
 
+    def _queueing_backend(self) -> Any:
+        return self.backend
+
     def acquire(self, keys: str | Iterable[str], *, ttl_ms: int | None = None,
                 timeout_s: float | None = None) -> _AsyncAcquire:
-        """Awaitable (gives a ``Lease``) and async context manager (releases it)."""
+        """Awaitable (gives a ``Lease``) and async context manager (releases it).
+
+        The arguments are checked here, at the call; the wait starts when awaited.
+        """
+        _check_keys_and_options(keys, ttl_ms, timeout_s)
         return _AsyncAcquire(self, keys, ttl_ms, timeout_s)
 
     async def _acquire(self, keys: str | Iterable[str], ttl_ms: int | None,
                        timeout_s: float | None) -> Lease:
         plan = self._plan(keys, ttl_ms, timeout_s)
-        owner = new_owner(plan.ttl_ms)
         while True:
-            started = time.monotonic()
-            tokens: dict[str, int] = {}
+            plan.grants.clear()
             try:
                 for index, key in enumerate(plan.keys):
-                    taken = await self._take(key, owner, plan, plan.key_deadline(index, started))
-                    if taken is None:
+                    grant = await self._take(key, plan, plan.key_deadline(index))
+                    if grant is None:
                         break
-                    tokens[key] = taken[0]
-                    if index == 0:
-                        started = taken[1]
+                    plan.grants[key] = grant
             except BaseException:
-                await asyncio.shield(self._give_back(plan.keys, owner))
+                await asyncio.shield(self._give_back(plan.keys, plan.owner))
                 raise
-            if len(tokens) == len(plan.keys):
-                lease = Lease(keys=plan.keys, tokens=tokens, owner=owner, ttl_ms=plan.ttl_ms,
-                              acquired_at=started, backend=self.renewer, releaser=self)
-                heartbeat().add(lease)
-                return lease
-            missing = plan.keys[len(tokens)]
-            await self._give_back(tuple(tokens), owner)
+            if len(plan.grants) == len(plan.keys) and plan.usable():
+                return self._new_lease(plan, self.renewer)
+            missing = next((k for k in plan.keys if k not in plan.grants), plan.keys[0])
+            await self._give_back(plan.keys, plan.owner)
             pause = plan.backoff_s()
             if pause is None:
-                raise plan.timeout(missing)
+                raise plan.failure(missing)
             await asyncio.sleep(pause)
 
-    async def _take(self, key: str, owner: str, plan: _Plan,
-                    until: float) -> tuple[int, float] | None:
-        """``(token, sent_at)`` as in ``LockManager._take``."""
-        sent_at = time.monotonic()
-        attempt = await self.backend.try_acquire(key, owner, plan.ttl_ms)
-        while attempt.token is None:
+    async def _take(self, key: str, plan: _Plan, until: float) -> _Grant | None:
+        """As ``LockManager._take``."""
+        owner = plan.owner
+        while True:
+            sent = time.monotonic()
+            try:
+                attempt = await self.backend.try_acquire(key, owner, plan.ttl_ms)
+            except BackendUnavailable as error:
+                pause = plan.retry_s(error, until)
+                if pause is None:
+                    return None
+                await asyncio.sleep(pause)
+                continue
+            plan.answered()
+            if attempt.token is not None:
+                grant = _Grant(attempt.token, sent, plan.ttl_ms)
+                if grant.usable(time.monotonic()):
+                    return grant
+                if time.monotonic() >= until:
+                    await self._leave(key, owner)
+                    return None
+                continue
+            queued_at = sent
             poll = plan.poll_s(until, attempt.retry_ms)
             if poll is None:
-                await self.backend.release(key, owner)
+                await self._leave(key, owner)
                 return None
-            sent_at = time.monotonic()
-            handed = await self.backend.wait(key, owner, poll)
+            try:
+                handed = await self.backend.wait(key, owner, poll)
+            except BackendUnavailable as error:
+                pause = plan.retry_s(error, until)
+                if pause is None:
+                    await self._leave(key, owner)
+                    return None
+                await asyncio.sleep(pause)
+                continue
             if handed is not None:
-                return handed, sent_at
-            sent_at = time.monotonic()
-            attempt = await self.backend.try_acquire(key, owner, plan.ttl_ms)
-        return attempt.token, sent_at
+                grant = _Grant(handed, queued_at, plan.handoff_ms)
+                if grant.usable(time.monotonic()):
+                    return grant
+
+    async def _leave(self, key: str, owner: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.backend.release(key, owner)
 
     async def _give_back(self, keys: tuple[str, ...], owner: str) -> None:
         for key in keys:
-            with contextlib.suppress(Exception):
-                await self.backend.release(key, owner)
+            await self._leave(key, owner)
 
     def release(self, lease: Lease) -> None:
         msg = "this lease came from an AsyncLockManager: use `await lease.arelease()`"

@@ -14,6 +14,16 @@ floor)``. The counter key may expire (so memory does not grow with every
 resource ever locked) or vanish with a restart, and the next token is still
 above every earlier one unless the server clock went backwards by more than the
 time since; the store's high-water marks (``raise_floor``) cover that case.
+
+A release hands the lock to the first live waiter for that waiter's hand-off TTL
+(carried in its owner id) and pushes the token onto its wake-up list, in the same
+script. The wake-up list outlives a wait (the waiter may be stopped, or give up
+and queue again): so the acquire script empties it whenever it queues the owner.
+A grant still the owner's would have been returned by that very call, so whatever
+the list held was a hand-off that is over; a token found there afterwards was
+granted after that call. An acquire by the holder itself (a hand-off that raced
+with the end of a wait, a retry after a lost reply) grants the lock again from
+now, with a fresh token.
 """
 
 from __future__ import annotations
@@ -28,8 +38,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from toolguard.errors import BackendUnavailable
-from toolguard.locks.base import Attempt, BackendInfo
+from toolguard.errors import BackendUnavailable, ConfigurationError
+from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms
 
 __all__ = ["AsyncRedisBackend", "RedisBackend", "redis_keys"]
 
@@ -42,22 +52,20 @@ INFO = BackendInfo(
          "re-seeded from the store after data loss",
 )
 
-# Grant KEYS[1] (lock) to ARGV[1] if it is free and ARGV[1] is first among live
-# waiters; mint the token in the same step. Otherwise queue ARGV[1].
-# KEYS: lock, fence, q, qx   ARGV: owner, ttl_ms, presence_ms, counter_ttl_ms
+# Grant KEYS[1] (lock) to ARGV[1] for ARGV[2] ms if it is free and ARGV[1] is first
+# among live waiters, or if ARGV[1] holds it already; mint the token in the same step.
+# Otherwise queue ARGV[1] and empty its wake-up list KEYS[5].
+# KEYS: lock, fence, q, qx, wake-up list   ARGV: owner, ttl_ms, presence_ms, counter_ttl_ms
 # Returns the token (> 0) on grant, -retry_ms (<= 0) when queued: one integer,
 # the cheapest reply to parse. A free lock with nobody queued costs five calls.
 ACQUIRE = """
 local owner = ARGV[1]
 local state = redis.call('MGET', KEYS[1], KEYS[2])
 local holder, last = state[1], tonumber(state[2])
-if holder == owner and last then
-  return last  -- a hand-off raced with the end of our wait: the grant is ours already
-end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local grant = holder == owner  -- ours, but the counter is gone: mint a token again
+local grant = holder == owner  -- ours already: granted again, from now
 if not holder then
   local head = nil
   while true do
@@ -73,15 +81,14 @@ if not holder then
     redis.call('ZREM', KEYS[4], owner)
   end
   grant = not head or head == owner
-  if grant then
-    redis.call('SET', KEYS[1], owner, 'PX', ARGV[2])
-  end
 end
 if grant then
+  redis.call('SET', KEYS[1], owner, 'PX', ARGV[2])
   local token = math.max((last or 0) + 1, now_us)
   redis.call('SET', KEYS[2], string.format('%.0f', token), 'PX', ARGV[4])
   return token
 end
+redis.call('DEL', KEYS[5])  -- a token left there is from a hand-off that is over
 redis.call('ZADD', KEYS[3], 'NX', now_us, owner)
 redis.call('ZADD', KEYS[4], now_ms + tonumber(ARGV[3]), owner)
 redis.call('PEXPIRE', KEYS[3], ARGV[3] * 2)
@@ -92,8 +99,9 @@ return -left
 """
 
 # Release KEYS[1] if ARGV[1] holds it, else leave the queue; hand the lock (with
-# a fresh token) to the first live waiter and push the token onto its wake-up
-# list (ARGV[2] .. owner). The waiter's TTL travels in its owner id.
+# a fresh token) to the first live waiter, for the hand-off TTL in its owner id
+# ("hex:handoff:ttl", or "hex:ttl"), and push the token onto its wake-up list
+# (ARGV[2] .. owner).
 # A holder is never queued (every grant dequeues it), so the holder's path skips
 # the queue clean-up: four calls when nobody waits.
 # KEYS: lock, fence, q, qx   ARGV: owner, signal prefix, counter_ttl_ms
@@ -118,7 +126,7 @@ while true do
   local seen = redis.call('ZSCORE', KEYS[4], head)
   redis.call('ZREM', KEYS[4], head)
   if head ~= owner and seen and tonumber(seen) >= now_ms then
-    local ttl = string.match(head, ':(%d+)$')
+    local ttl = string.match(head, ':(%d+):%d+$') or string.match(head, ':(%d+)$')
     local token = math.max((tonumber(redis.call('GET', KEYS[2])) or 0) + 1, now_us)
     local text = string.format('%.0f', token)
     redis.call('SET', KEYS[1], head, 'PX', ttl)
@@ -151,6 +159,11 @@ return current
 """
 
 
+DEFAULT_PREFIX = "tg"
+DEFAULT_PRESENCE_MS = 2_000
+DEFAULT_COUNTER_TTL_MS = 7 * 24 * 3600 * 1000
+
+
 def _escape(key: str) -> str:
     """Keep braces out of the hash tag so every key of one lock lands in one slot."""
     if "%" in key or "{" in key or "}" in key:
@@ -179,11 +192,14 @@ class _RedisShared:
 
     info = INFO
 
-    def __init__(self, *, prefix: str = "tg", presence_ms: int = 2_000,
-                 counter_ttl_ms: int = 7 * 24 * 3600 * 1000) -> None:
+    def __init__(self, *, prefix: str = DEFAULT_PREFIX, presence_ms: int = DEFAULT_PRESENCE_MS,
+                 counter_ttl_ms: int = DEFAULT_COUNTER_TTL_MS) -> None:
+        if not isinstance(prefix, str) or not prefix:
+            msg = f"prefix must be a non-empty string, got {prefix!r}"
+            raise ConfigurationError(msg)
         self.prefix = prefix
-        self.presence_ms = presence_ms
-        self.counter_ttl_ms = counter_ttl_ms
+        self.presence_ms = check_ms("presence_ms", presence_ms, MIN_TTL_MS)
+        self.counter_ttl_ms = check_ms("counter_ttl_ms", counter_ttl_ms, 1)
         self._presence_arg = b"%d" % presence_ms
         self._counter_ttl_arg = b"%d" % counter_ttl_ms
         self._max_block_s: float | None = None  # set from the client's socket timeout
@@ -192,8 +208,10 @@ class _RedisShared:
 
     def _acquire_command(self, sha: str, key: str, owner: str, ttl_ms: int) -> tuple[Any, ...]:
         base = _base(key, self.prefix).encode()
-        return ("EVALSHA", sha, b"4", base + b":lock", base + b":fence", base + b":q", base + b":qx",
-                owner.encode(), b"%d" % ttl_ms, self._presence_arg, self._counter_ttl_arg)
+        name = owner.encode()
+        return ("EVALSHA", sha, b"5", base + b":lock", base + b":fence", base + b":q", base + b":qx",
+                base + b":s:" + name, name, b"%d" % ttl_ms, self._presence_arg,
+                self._counter_ttl_arg)
 
     def _release_command(self, sha: str, key: str, owner: str) -> tuple[Any, ...]:
         base = _base(key, self.prefix).encode()
@@ -244,9 +262,10 @@ def _block_cap(client: Any) -> float | None:
 class RedisBackend(_RedisShared):
     """Sync Redis backend (redis-py); scripts are registered once and run by SHA."""
 
-    def __init__(self, client: redis.Redis | str = "redis://127.0.0.1:6379/0",
-                 **options: Any) -> None:
-        super().__init__(**options)
+    def __init__(self, client: redis.Redis | str = "redis://127.0.0.1:6379/0", *,
+                 prefix: str = DEFAULT_PREFIX, presence_ms: int = DEFAULT_PRESENCE_MS,
+                 counter_ttl_ms: int = DEFAULT_COUNTER_TTL_MS) -> None:
+        super().__init__(prefix=prefix, presence_ms=presence_ms, counter_ttl_ms=counter_ttl_ms)
         self.client = _client_from_url(redis.Redis, client) if isinstance(client, str) else client
         self._max_block_s = _block_cap(self.client)
         self._acquire = self.client.register_script(ACQUIRE)
@@ -322,9 +341,10 @@ class RedisBackend(_RedisShared):
 class AsyncRedisBackend(_RedisShared):
     """asyncio Redis backend (``redis.asyncio``) running the same scripts."""
 
-    def __init__(self, client: aredis.Redis | str = "redis://127.0.0.1:6379/0",
-                 **options: Any) -> None:
-        super().__init__(**options)
+    def __init__(self, client: aredis.Redis | str = "redis://127.0.0.1:6379/0", *,
+                 prefix: str = DEFAULT_PREFIX, presence_ms: int = DEFAULT_PRESENCE_MS,
+                 counter_ttl_ms: int = DEFAULT_COUNTER_TTL_MS) -> None:
+        super().__init__(prefix=prefix, presence_ms=presence_ms, counter_ttl_ms=counter_ttl_ms)
         self.client = _client_from_url(aredis.Redis, client) if isinstance(client, str) else client
         self._max_block_s = _block_cap(self.client)
         self._acquire = self.client.register_script(ACQUIRE)

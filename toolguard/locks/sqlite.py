@@ -2,16 +2,26 @@
 
 Each operation is one ``BEGIN IMMEDIATE`` transaction on a WAL database, so the
 grant and the token are one atomic step here too. Waiters are woken by the
-releaser, which hands the lock over in its own transaction and then sends the
-new token as a datagram to the waiter's socket (Linux abstract namespace: no
-files to clean up); a bounded poll covers a holder that crashed. Tokens use the
-same hybrid clock as the Redis backend, and the fence rows are durable.
+releaser, which hands the lock over in its own transaction (for the waiter's
+hand-off TTL, carried in its owner id) and then sends the token as a datagram
+to the socket the waiter opened for that key (Linux abstract namespace: no files
+to clean up); a bounded poll covers a holder that crashed. Tokens use the same
+hybrid clock as the Redis backend, and the fence rows are durable.
+
+Stale datagrams: the releaser sends after its commit, so a datagram may arrive
+long after its grant ended (the releaser or the waiter was stopped, the waiter
+gave up and queued again). Each "queued" answer records the key's last token as
+it saw it, and ``wait`` drops datagrams at or below it: a grant still the
+owner's would have been returned by that call, so an older token is one that is
+over. A socket per (owner, key) keeps the datagrams of one key from another's
+wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import socket
 import sqlite3
@@ -23,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from toolguard.errors import BackendUnavailable
-from toolguard.locks.base import Attempt, BackendInfo, owner_ttl_ms
+from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms, owner_handoff_ms
 
 __all__ = ["AsyncSqliteBackend", "SqliteBackend"]
 
@@ -54,6 +64,11 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
+def _key_digest(key: str) -> str:
+    """Names the key in a waiter's socket address in a bounded size."""
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
 class SqliteBackend:
     """Locks in a SQLite file; one connection per thread, opened lazily."""
 
@@ -62,12 +77,14 @@ class SqliteBackend:
     def __init__(self, path: str | os.PathLike[str] = "toolguard.db", *,
                  presence_ms: int = 2_000, busy_timeout_ms: int = 30_000) -> None:
         self.path = str(path)
+        self.presence_ms = check_ms("presence_ms", presence_ms, MIN_TTL_MS)
+        self.busy_timeout_ms = check_ms("busy_timeout_ms", busy_timeout_ms, 0)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self.presence_ms = presence_ms
-        self.busy_timeout_ms = busy_timeout_ms
         self._local = threading.local()
-        self._sockets: dict[str, socket.socket] = {}
+        self._sockets: dict[tuple[str, str], socket.socket] = {}
+        #: (owner, key) -> the key's last token when the owner was last queued for it
+        self._floors: dict[tuple[str, str], int] = {}
         self._sockets_lock = threading.Lock()
         try:
             self._connection().executescript(SCHEMA)
@@ -104,25 +121,40 @@ class SqliteBackend:
                 raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
             raise
 
-    def _wake_address(self, owner: str) -> str:
-        return f"\0toolguard-{os.getpid()}-{owner}"
+    def _wake_address(self, owner: str, key: str) -> str:
+        return f"\0toolguard-{os.getpid()}-{owner}-{_key_digest(key)}"
 
-    def _listen(self, owner: str) -> str | None:
+    def _listen(self, owner: str, key: str) -> str | None:
         if not WAKE_SUPPORTED:
             return None
-        address = self._wake_address(owner)
+        address = self._wake_address(owner, key)
         with self._sockets_lock:
-            if owner not in self._sockets:
+            if (owner, key) not in self._sockets:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 sock.bind(address)
-                self._sockets[owner] = sock
+                self._sockets[(owner, key)] = sock
         return address
 
-    def _forget(self, owner: str) -> None:
+    def _socket(self, owner: str, key: str) -> socket.socket | None:
         with self._sockets_lock:
-            sock = self._sockets.pop(owner, None)
+            return self._sockets.get((owner, key))
+
+    def _forget(self, owner: str, key: str) -> None:
+        with self._sockets_lock:
+            sock = self._sockets.pop((owner, key), None)
+            self._floors.pop((owner, key), None)
         if sock is not None:
             sock.close()
+
+    def _handed(self, key: str, owner: str, data: bytes) -> int | None:
+        """The token of a hand-off datagram if it is newer than the floor."""
+        try:
+            token = int(data)
+        except ValueError:
+            return None
+        with self._sockets_lock:
+            floor = self._floors.get((owner, key), 0)
+        return token if token > floor else None
 
     @staticmethod
     def _mint(db: sqlite3.Connection, key: str, now_us: int) -> int:
@@ -139,8 +171,10 @@ class SqliteBackend:
             now = _now_us()
             row = db.execute("SELECT owner, token, expires_us FROM tg_lock WHERE key = ?",
                              (key,)).fetchone()
-            if row and row[0] == owner and row[2] > now:
-                self._forget(owner)
+            if row and row[0] == owner and row[2] > now:  # ours already: extend it from now
+                db.execute("UPDATE tg_lock SET expires_us = ? WHERE key = ?",
+                           (now + ttl_ms * 1000, key))
+                self._forget(owner, key)
                 return Attempt(token=row[1])
             if row and row[2] > now:
                 return self._enqueue(db, key, owner, now, retry_us=row[2] - now)
@@ -157,31 +191,38 @@ class SqliteBackend:
                        (key, owner, token, now + ttl_ms * 1000))
             if head:
                 db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, owner))
-        self._forget(owner)
+        self._forget(owner, key)
         return Attempt(token=token)
 
     def _enqueue(self, db: sqlite3.Connection, key: str, owner: str, now: int,
                  retry_us: int) -> Attempt:
-        wake = self._listen(owner)
+        wake = self._listen(owner, key)
         db.execute("INSERT INTO tg_lock_waiter (key, owner, arrived_us, present_until_us, wake) "
                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (key, owner) "
                    "DO UPDATE SET present_until_us = excluded.present_until_us",
                    (key, owner, now, now + self.presence_ms * 1000, wake))
+        row = db.execute("SELECT token FROM tg_lock_fence WHERE key = ?", (key,)).fetchone()
+        with self._sockets_lock:
+            self._floors[(owner, key)] = row[0] if row else 0
         return Attempt(token=None, retry_ms=max(1, retry_us // 1000))
 
     def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
-        with self._sockets_lock:
-            sock = self._sockets.get(owner)
+        sock = self._socket(owner, key)
         if sock is None:
             time.sleep(timeout_s)
             return None
-        sock.settimeout(max(timeout_s, 0.001))
-        try:
-            data = sock.recv(64)
-        except (TimeoutError, OSError):
-            return None
-        self._forget(owner)
-        return int(data)
+        until = time.monotonic() + max(timeout_s, 0.001)
+        while (left := until - time.monotonic()) > 0:
+            sock.settimeout(left)
+            try:
+                data = sock.recv(64)
+            except (TimeoutError, OSError):
+                return None
+            token = self._handed(key, owner, data)
+            if token is not None:
+                self._forget(owner, key)
+                return token
+        return None
 
     def release(self, key: str, owner: str) -> bool:
         wake: tuple[str, int] | None = None
@@ -191,11 +232,11 @@ class SqliteBackend:
                               (key, owner)).rowcount > 0
             if held:
                 wake = self._hand_off(db, key)
-        self._forget(owner)
+        self._forget(owner, key)
         if wake is not None and wake[0]:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, \
                     contextlib.suppress(OSError):  # the waiter left: it will find the grant
-                sock.sendto(str(wake[1]).encode(), wake[0])
+                sock.sendto(str(wake[1]).encode("ascii"), wake[0])
         return held
 
     def _hand_off(self, db: sqlite3.Connection, key: str) -> tuple[str, int] | None:
@@ -208,7 +249,7 @@ class SqliteBackend:
         next_owner, wake = head
         token = self._mint(db, key, now)
         db.execute("INSERT INTO tg_lock (key, owner, token, expires_us) VALUES (?, ?, ?, ?)",
-                   (key, next_owner, token, now + owner_ttl_ms(next_owner) * 1000))
+                   (key, next_owner, token, now + owner_handoff_ms(next_owner) * 1000))
         db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, next_owner))
         return (wake or "", token)
 
@@ -240,6 +281,7 @@ class SqliteBackend:
             for sock in self._sockets.values():
                 sock.close()
             self._sockets.clear()
+            self._floors.clear()
 
 
 class AsyncSqliteBackend:
@@ -260,19 +302,23 @@ class AsyncSqliteBackend:
         thread per waiter: a handful of waiters then starve the releases that
         should wake them, and every hand-off falls back to the poll.
         """
-        with self.sync._sockets_lock:
-            sock = self.sync._sockets.get(owner)
+        sock = self.sync._socket(owner, key)
         if sock is None:
             await asyncio.sleep(timeout_s)
             return None
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
-        try:
-            data = await asyncio.wait_for(loop.sock_recv(sock, 64), max(timeout_s, 0.001))
-        except (TimeoutError, OSError):
-            return None
-        self.sync._forget(owner)
-        return int(data)
+        until = time.monotonic() + max(timeout_s, 0.001)
+        while (left := until - time.monotonic()) > 0:
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(sock, 64), left)
+            except (TimeoutError, OSError):
+                return None
+            token = self.sync._handed(key, owner, data)
+            if token is not None:
+                self.sync._forget(owner, key)
+                return token
+        return None
 
     async def release(self, key: str, owner: str) -> bool:
         return await asyncio.to_thread(self.sync.release, key, owner)

@@ -21,6 +21,7 @@ Policy file reference (version 1)
       on_unknown_tool: deny           # deny | allow  (allow: runs unlocked, still audited)
       agents: ["*"]                   # who may call a tool that has no agents: of its own
       fenced: true
+      idempotency_scope: thread       # thread | task: how far a tool-call id is unique
       limits:                         # bounds on raw arguments, checked before any schema
         max_bytes: 65536              # compact JSON size
         max_depth: 8                  # nested objects/lists
@@ -31,7 +32,7 @@ Policy file reference (version 1)
     tools:
       update_lead_score:
         locks: ["lead:{lead_id}"]     # lock key templates, rendered from validated args
-        agents: [intent_scorer]       # who may call it; "*" = anyone (also calls with no identity)
+        agents: [intent_scorer]       # who may call it; "*" = any agent (never a call with no identity)
         args:                         # constraints on top of the tool's own schema
           score: {ge: 0, le: 100}
           note: {max_length: 500, pattern: "[^<>]*"}
@@ -40,8 +41,9 @@ Policy file reference (version 1)
         after: [enrich_lead]          # enrich_lead's applied record on the same resource must exist
         after_wait_s: 5               # wait that long for it, else rejected `out_of_order`
         fenced: true                  # the side effect checks fencing tokens
-        idempotency_key: "{lead_id}:{score}"   # optional; default: thread/checkpoint_ns/call id
-        redact: [email, contact.phone]         # replaced by "[redacted]" in the audit log
+        idempotency_key: "{lead_id}:{score}"   # optional; default: thread/node path/call id
+        idempotency_scope: thread     # or task: the default key keeps LangGraph's task ids
+        redact: [email, contact.phone]         # masked in everything toolguard records
         ttl_ms: 10000
         wait_timeout_s: 5
         limits: {max_string: 1000}    # merged field by field over defaults.limits
@@ -66,8 +68,20 @@ around ``{path}`` placeholders; two placeholders need a separator such as
 ``toolguard.policies.templates``): strings keep ``A-Z a-z 0-9 _ -`` and
 percent-encode every other byte; integers, floats and booleans are tagged
 (``~i42``, ``~d1%2E5``, ``~t``), so ``1``, ``"1"`` and ``true`` are different
-keys. A missing or ``null`` value is rejected. An ``idempotency_key`` template
-renders one key, prefixed with the tool name.
+keys; an escaped value longer than 256 characters is hashed (``~h<sha256>``)
+so every key fits a database index. A missing or ``null`` value is rejected.
+An ``idempotency_key`` template renders one key, prefixed with the tool name.
+
+Idempotency scope: without a template, a call's key is its thread, its
+agent/node path (LangGraph's checkpoint namespace without the task ids, e.g.
+``scorer|tools``) and its tool-call id (``idempotency_scope: thread``, the
+default), so a call id seen again later in the thread on the same path is a
+replay (same arguments) or refused (``idempotency_conflict``). ``task`` keeps
+the task ids: for frameworks that reuse call ids across turns of a thread.
+
+Redaction: values at ``redact:`` paths are ``"[redacted]"`` in the audit log's
+arguments and masked wherever they appear in what toolguard records of the call
+(the result kept for replays, error texts); see ``toolguard.policies.redaction``.
 
 Constraints: ``ge gt le lt`` (numbers), ``min_length max_length pattern``
 (strings; the pattern must match the whole string), ``min_items max_items``

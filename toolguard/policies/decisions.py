@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel
 
-from toolguard.errors import InvalidArguments, NotAuthorized, UnknownTool
-from toolguard.intent import IdempotencyKeyFn, Intent, default_idempotency_key, json_args
+from toolguard.errors import (
+    GuardMisconfigured,
+    InvalidArguments,
+    MissingIdentity,
+    NotAuthorized,
+    UnknownTool,
+)
+from toolguard.intent import (
+    IdempotencyKeyFn,
+    Intent,
+    bounded_key,
+    default_idempotency_key,
+    json_args,
+)
 from toolguard.policies.model import ANY_AGENT, ArgConstraint, Policy, ToolPolicy
 from toolguard.policies.paths import MISSING, STAR, FieldPath
 from toolguard.policies.templates import escape_text
@@ -54,7 +67,7 @@ def lookup_tool(policy: Policy, name: str) -> ToolPolicy:
     defaults = policy.defaults
     tool = ToolPolicy(agents=defaults.agents, fenced=False, ttl_ms=defaults.ttl_ms,
                       wait_timeout_s=defaults.wait_timeout_s, after_wait_s=defaults.after_wait_s,
-                      limits=defaults.limits)
+                      idempotency_scope=defaults.idempotency_scope, limits=defaults.limits)
     tool._name = name
     return tool
 
@@ -62,14 +75,18 @@ def lookup_tool(policy: Policy, name: str) -> ToolPolicy:
 def authorize(tool: ToolPolicy, agent: str | None) -> None:
     """Raise ``NotAuthorized`` unless ``agent`` may call ``tool``.
 
-    ``"*"`` admits everyone, including calls with no agent identity; a named
-    list admits only those names.
+    ``"*"`` admits every identified agent; a named list admits only those
+    names. A call without an agent identity is refused (``MissingIdentity``)
+    whatever the list says: identity comes from the host, and is never guessed.
     """
-    if ANY_AGENT in tool.agents or (agent is not None and agent in tool.agents):
+    if agent is None:
+        msg = (f"a call without an agent identity may not call {tool.name or 'this tool'}: "
+               f"the host must say which agent is calling")
+        raise MissingIdentity(msg)
+    if ANY_AGENT in tool.agents or agent in tool.agents:
         return
-    who = "a call without an agent identity" if agent is None else f"agent {_shown(agent)}"
     allowed = ", ".join(tool.agents) or "no agent"
-    msg = f"{who} may not call {tool.name or 'this tool'} (allowed: {allowed})"
+    msg = f"agent {_shown(agent)} may not call {tool.name or 'this tool'} (allowed: {allowed})"
     raise NotAuthorized(msg)
 
 
@@ -85,16 +102,19 @@ def check_constraints(tool: ToolPolicy, args: Args) -> None:
                 raise InvalidArguments(f"{where}: {problem}")
 
 
+_BOUNDS: tuple[tuple[str, Callable[[Any, Any], bool], str], ...] = (
+    ("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="),
+    ("lt", operator.lt, "<"))
+
+
 def _violation(rule: ArgConstraint, value: Any) -> str | None:
     kinds = rule.kinds
     if "number" in kinds:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return "must be a number"
-        for name, ok in (("ge", lambda b: value >= b), ("gt", lambda b: value > b),
-                         ("le", lambda b: value <= b), ("lt", lambda b: value < b)):
+        for name, holds, symbol in _BOUNDS:
             bound = getattr(rule, name)
-            if bound is not None and not ok(bound):
-                symbol = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[name]
+            if bound is not None and not holds(value, bound):
                 return f"must be {symbol} {bound}"
     if "string" in kinds:
         if not isinstance(value, str):
@@ -161,14 +181,22 @@ def idempotency_key(intent: Intent, tool: ToolPolicy, args: Args, *,
 
     The tool's ``idempotency_key`` template wins (prefixed with the tool name,
     so two tools never share a key by accident); else ``key_fn`` (the guard's
-    or the policy's); else ``default_idempotency_key``. ``None`` means no
-    stable identity: the guard decides whether to refuse (e.g. for unfenced
-    tools) or run without replay protection.
+    or the policy's); else ``default_idempotency_key`` in the tool's
+    ``idempotency_scope``. ``None`` means no stable identity: the guard decides
+    whether to refuse (e.g. for unfenced tools) or run without replay
+    protection. The key is bounded (``bounded_key``) so every store can index it.
     """
     if tool.idempotency_key is not None:
         (rendered,) = tool.idempotency_key.render(json_args(args), what="idempotency key")
-        return f"{escape_text(tool.name or intent.tool)}:{rendered}"
-    return (key_fn or default_idempotency_key)(intent)
+        return bounded_key(f"{escape_text(tool.name or intent.tool)}:{rendered}")
+    key = key_fn(intent) if key_fn is not None else \
+        default_idempotency_key(intent, tool.idempotency_scope)
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key:
+        msg = f"the idempotency key function returned {type(key).__name__} {key!r:.40}, not a key"
+        raise GuardMisconfigured(msg)
+    return bounded_key(key)
 
 
 def redact(args: Any, paths: Iterable[FieldPath | str], *, mask: Any = REDACTED) -> Any:

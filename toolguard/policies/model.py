@@ -9,6 +9,7 @@ with file and line when the policy came from a file.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ from pydantic import (
 )
 
 from toolguard.errors import PolicyProblems
-from toolguard.intent import DEFAULT_LIMITS, IdempotencyKeyFn, Limits
+from toolguard.intent import DEFAULT_LIMITS, IdempotencyKeyFn, IdempotencyScope, Limits, canonical_json
+from toolguard.policies import controls
+from toolguard.policies.controls import ApprovalSetting, Mode, QuotaList
 from toolguard.policies.paths import FieldPath
 from toolguard.policies.templates import KeyTemplate
 
@@ -47,7 +50,7 @@ __all__ = [
     "UnknownToolMode",
 ]
 
-#: In ``agents:``, stands for every agent (and for calls without an agent identity).
+#: In ``agents:``, stands for every agent. A call without an agent identity is never admitted.
 ANY_AGENT = "*"
 
 UnknownToolMode = Literal["deny", "allow"]
@@ -187,13 +190,19 @@ class ArgConstraint(BaseModel):
         return frozenset(kinds)
 
 
+controls.resolve_forward_refs()  # ApprovalRule.when holds ArgConstraints
+
+
 class ToolPolicy(BaseModel):
     """The rules for one tool. Inside a ``Policy`` every inherited field is filled in.
 
     ``fenced: false`` marks a side effect that cannot check fencing tokens (an
     external API): it relies on its idempotency key, and its lock only avoids
     wasted concurrent calls. ``read_only: true`` marks a tool that changes
-    nothing: it needs no lock.
+    nothing: it needs no lock. ``idempotency_scope`` says how far a tool-call
+    id is unique for the default idempotency key: ``thread`` (the thread and
+    agent/node path) or ``task`` (one LangGraph task), see
+    ``toolguard.intent.default_idempotency_key``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -209,7 +218,11 @@ class ToolPolicy(BaseModel):
     redact: tuple[FieldPath, ...] = ()
     ttl_ms: PositiveInt = 10_000
     wait_timeout_s: NonNegativeFloat = 5.0
+    idempotency_scope: IdempotencyScope = "thread"
     limits: Limits = DEFAULT_LIMITS
+    approval: ApprovalSetting = None
+    quotas: QuotaList = ()
+    mode: Mode = "enforce"
 
     _name: str = PrivateAttr(default="")
 
@@ -271,10 +284,14 @@ class Defaults(BaseModel):
     on_unknown_tool: UnknownToolMode = "deny"
     agents: tuple[str, ...] = (ANY_AGENT,)
     fenced: bool = True
+    idempotency_scope: IdempotencyScope = "thread"
     limits: Limits = DEFAULT_LIMITS
+    mode: Mode = "enforce"
+    quotas: QuotaList = ()
 
 
-_INHERITED = ("ttl_ms", "wait_timeout_s", "after_wait_s", "agents", "fenced")
+_INHERITED = ("ttl_ms", "wait_timeout_s", "after_wait_s", "agents", "fenced", "idempotency_scope",
+              "mode")
 
 
 class Policy(BaseModel):
@@ -295,6 +312,7 @@ class Policy(BaseModel):
 
     _locations: dict[tuple[str | int, ...], Location] = PrivateAttr(default_factory=dict)
     _key_fn: IdempotencyKeyFn | None = PrivateAttr(default=None)
+    _digest: str | None = PrivateAttr(default=None)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None,
@@ -302,7 +320,8 @@ class Policy(BaseModel):
         """Build from plain data (e.g. parsed YAML/JSON); problems raise ``PolicyProblems``."""
         from toolguard.policies.loader import build_policy
 
-        locations = {(): Location(source)} if source else None
+        locations: dict[tuple[str | int, ...], Location] | None = (
+            {(): Location(source)} if source else None)
         return build_policy(data, locations, key_fn=key_fn)
 
     @field_validator("tools", mode="before")
@@ -325,6 +344,7 @@ class Policy(BaseModel):
                                       if field not in tool.model_fields_set}
             own = tool.limits.model_dump(exclude_unset=True) if "limits" in tool.model_fields_set else {}
             update["limits"] = defaults.limits.model_copy(update=own) if own else defaults.limits
+            update["quotas"] = (*defaults.quotas, *tool.quotas)  # added to, never replaced
             copy = tool.model_copy(update=update)
             copy._name = name
             resolved[name] = copy
@@ -342,6 +362,20 @@ class Policy(BaseModel):
         return self
 
     # --- using the policy ---------------------------------------------------------
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (hex) of the policy's canonical content: which policy decided.
+
+        Two policies that mean the same (defaults written out or not, keys in
+        another order, several files or one) have the same digest; comments and
+        file names do not count, nor does a ``key_fn`` given in code. ``version``
+        is the file format's version (1), not this.
+        """
+        if self._digest is None:
+            content = canonical_json(self.model_dump(mode="json", exclude_defaults=True))
+            self._digest = hashlib.sha256(content.encode("utf-8")).hexdigest()
+        return self._digest
 
     @property
     def key_fn(self) -> IdempotencyKeyFn | None:
@@ -373,6 +407,7 @@ class Policy(BaseModel):
         from toolguard.policies.schemas import schema_problems
 
         problems = schema_problems(self, tool_schemas, missing_ok=missing_ok)
+        problems += controls.control_schema_problems(self, tool_schemas)
         if problems:
             raise PolicyProblems(problems)
 
@@ -409,6 +444,7 @@ def policy_problems(policy: Policy) -> list[Problem]:
                     f"{name!r} and {earlier!r} lock no resource of the same kind, so 'after' "
                     f"can never be checked on the same resource (compare their locks:)")))
     problems.extend(_cycles(policy))
+    problems.extend(controls.control_problems(policy))
     return problems
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from toolguard.policies.model import Policy, Problem, ToolPolicy
 from toolguard.policies.paths import STAR, FieldPath
 from toolguard.policies.strict import json_schema_of
+from toolguard.policies.templates import KeyTemplate
 
 __all__ = ["schema_problems"]
 
@@ -47,7 +48,8 @@ def _tool_problems(policy: Policy, name: str, tool: ToolPolicy, schema: _Schema,
                    key_types: dict[str, tuple[str, int, list[frozenset[str] | None]]]) -> list[Problem]:
     problems: list[Problem] = []
     base = ("tools", name)
-    templates = [(("locks", i), t) for i, t in enumerate(tool.locks)]
+    templates: list[tuple[tuple[str | int, ...], KeyTemplate]] = [
+        (("locks", i), t) for i, t in enumerate(tool.locks)]
     if tool.idempotency_key is not None:
         templates.append((("idempotency_key",), tool.idempotency_key))
     for where, template in templates:
@@ -67,7 +69,9 @@ def _tool_problems(policy: Policy, name: str, tool: ToolPolicy, schema: _Schema,
                                                f"{{{path}}} is {what}: a key needs a scalar{hint}"))
             field_types.append(frozenset(found) if found else None)
         if where[0] == "locks":
-            problems.extend(_type_mismatch(policy, name, where[1], template.text, template.skeleton,
+            index = where[1]
+            assert isinstance(index, int)
+            problems.extend(_type_mismatch(policy, name, index, template.text, template.skeleton,
                                            field_types, key_types))
     for path, constraint in tool.args.items():
         leaves, error = schema.walk(path)

@@ -29,6 +29,10 @@ __all__ = ["json_schema_of", "strict_model", "validate_args"]
 SchemaSource = type[BaseModel] | Mapping[str, Any] | Callable[..., Any] | Any
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
+#: Generic aliases subscripted with types only known at run time (built from a JSON schema).
+_LIST: Any = list
+_DICT: Any = dict
+_TUPLE: Any = tuple
 _MAX_MESSAGES = 5
 _cache: dict[type[BaseModel], type[BaseModel]] = {}
 _cache_lock = threading.RLock()  # one strict class per model, even when threads race
@@ -151,8 +155,9 @@ def _strict_from_model(model: type[BaseModel], building: set[type[BaseModel]]) -
                 namespace[field_name] = copy.copy(field)
     finally:
         building.discard(model)
-    config = ConfigDict(**{**model.model_config, **_STRICT})  # type: ignore[typeddict-item]
-    strict = type(model)(f"Strict{model.__name__}", (model,), {
+    config = ConfigDict(**{**model.model_config, **_STRICT})
+    metaclass: Any = type(model)  # pydantic's model metaclass builds the subclass
+    strict: type[BaseModel] = metaclass(f"Strict{model.__name__}", (model,), {
         "__module__": model.__module__, "__doc__": model.__doc__, "model_config": config,
         "__annotations__": annotations, **namespace})
     _cache[model] = strict
@@ -253,7 +258,7 @@ class _SchemaModels:
         config = ConfigDict(extra="allow" if extra not in (None, False) else "forbid", strict=True)
         reserved = title in self.building.values() and title not in self.namespace
         class_name = title if reserved else self._unique(_class_name(title))  # a $ref's own name
-        model = create_model(class_name, __config__=config, **fields)
+        model: type[BaseModel] = create_model(class_name, __config__=config, **fields)
         self.namespace[class_name] = model
         self.models.append(model)
         return model
@@ -323,16 +328,16 @@ class _SchemaModels:
             return type(None)
         if kind == "array":
             if "prefixItems" in schema:
-                return tuple[tuple(self.annotation(item, title) for item in schema["prefixItems"])]
+                return _TUPLE[tuple(self.annotation(item, title) for item in schema["prefixItems"])]
             item = self.annotation(schema.get("items", True), f"{title}_item")
-            return _constrained(list[item], min_length=schema.get("minItems"),
+            return _constrained(_LIST[item], min_length=schema.get("minItems"),
                                 max_length=schema.get("maxItems"))
         if kind == "object":
             if schema.get("properties"):
                 return self.object_model(schema, title)
             extra = schema.get("additionalProperties", True)
             value = Any if extra in (True, None) else self.annotation(extra, f"{title}_value")
-            return dict[str, value]
+            return _DICT[str, value]
         return Any
 
 

@@ -12,7 +12,11 @@ plus ``%`` and ``~``):
   ``~i42`` (integer), ``~t`` / ``~f`` (booleans), ``~d1%2E5`` (float). So ``1``,
   ``"1"``, ``True`` and ``1.0`` are four keys. Keep the type of an id the same
   in every tool that locks it (``check_against`` warns when two tools disagree);
-* ``null`` or a missing value is refused: a key needs a value.
+* ``null`` or a missing value is refused: a key needs a value;
+* an escaped value longer than 256 characters becomes ``~h`` and the SHA-256
+  of its escaped text, so every key fits a database index (PostgreSQL's
+  b-tree rows hold about 2,700 bytes). ``~h`` is a tag like the others:
+  still injective, as far as SHA-256 is collision-free.
 
 Between two placeholders a template needs a separator whose first character is
 outside that alphabet (``"{a}:{b}"``, not ``"{a}{b}"``); with it the key can be
@@ -23,6 +27,7 @@ in Redis (no ``{`` to disturb cluster hash tags), SQL and etcd.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import string
@@ -37,13 +42,15 @@ from pydantic_core import core_schema
 from toolguard.errors import InvalidArguments
 from toolguard.policies.paths import MISSING, FieldPath
 
-__all__ = ["ESCAPED_ALPHABET", "KeyTemplate", "escape_text", "escape_value"]
+__all__ = ["ESCAPED_ALPHABET", "MAX_VALUE_CHARS", "KeyTemplate", "escape_text", "escape_value"]
 
 _SAFE = frozenset(string.ascii_letters + string.digits + "_-")
 #: Every character an escaped value can contain.
 ESCAPED_ALPHABET = _SAFE | {"%", "~"}
 _LITERAL = frozenset(chr(c) for c in range(0x21, 0x7F)) - set("{}*%\\")
 _MAX_SHOWN = 60
+#: Escaped values longer than this are hashed (``~h<sha256>``).
+MAX_VALUE_CHARS = 256
 
 
 def escape_text(text: str) -> str:
@@ -61,14 +68,21 @@ def escape_value(value: Any) -> str:
     """One JSON scalar as key text: strings escaped, other scalars type-tagged.
 
     Raise ``TypeError`` for ``null``, objects and lists, ``ValueError`` for NaN
-    and infinities: none of them names one resource.
+    and infinities: none of them names one resource. Long values are hashed
+    (``MAX_VALUE_CHARS``).
     """
     if isinstance(value, str):
-        return escape_text(value)
+        text = escape_text(value)
+        if len(text) > MAX_VALUE_CHARS:
+            return f"~h{hashlib.sha256(text.encode('ascii')).hexdigest()}"
+        return text
     if isinstance(value, bool):
         return "~t" if value else "~f"
     if isinstance(value, int):
-        return f"~i{value}"
+        digits = f"~i{value}"
+        if len(digits) > MAX_VALUE_CHARS:
+            return f"~h{hashlib.sha256(digits.encode('ascii')).hexdigest()}"
+        return digits
     if isinstance(value, float):
         if not math.isfinite(value):
             msg = "a key cannot hold NaN or an infinity"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolguard.cli.audit import REASONS, _when, _why
-from toolguard.guard import REJECTION_TEMPLATE
+from toolguard.decision import recorded_model_text
 from toolguard.store import AuditEntry
 
 __all__ = ["TAB_ORDER", "ModelMessage", "decision_counts", "meaning", "model_message", "pretty",
@@ -33,12 +33,26 @@ class ModelMessage:
 
 
 def model_message(entry: AuditEntry) -> ModelMessage:
-    """The tool result the adapters built for this decision (rejected/failed: its exact text)."""
-    if entry.decision in ("rejected", "failed"):
-        text = REJECTION_TEMPLATE.format(reason=entry.reason, message=entry.detail or "")
-        return ModelMessage(text, "The error ToolMessage the LangGraph and LangChain adapters "
-                                  "returned; plain Python callers got the typed exception with "
-                                  "the same message.")
+    """What the model read for this decision: toolguard's exact text, or whose answer it was."""
+    text = recorded_model_text(entry.decision, entry.reason, entry.detail)
+    if entry.decision == "rejected":
+        note = ("The error ToolMessage toolguard answered the call with; a plain Python caller "
+                "got the typed exception.")
+        if entry.reason in ("unknown_tool", "invalid_arguments"):
+            note += (" Where ToolNode refuses the call too (a tool it does not have, arguments "
+                     "the tool's own schema refuses), the model read ToolNode's own answer.")
+        return ModelMessage(text, note)
+    if entry.decision == "failed":
+        if text is not None:
+            return ModelMessage(text, "The error ToolMessage toolguard answered with: a short "
+                                      "text; the detail stayed in the audit log.")
+        if entry.reason == "configuration":
+            return ModelMessage(None, "Nothing: a configuration mistake, raised to the developer "
+                                      "(GuardMisconfigured), never shown to the model.")
+        return ModelMessage(None, "The tool's own failure, passed on unchanged by the LangGraph "
+                                  "and LangChain adapters: the model read what the tool (or "
+                                  "ToolNode's handle_tool_errors) made of it. A @guarded function "
+                                  "raised ToolFailed.")
     if entry.decision == "replayed":
         return ModelMessage(None, "The result recorded by the attempt that applied (see the "
                                   "attempts below); the tool did not run again.")

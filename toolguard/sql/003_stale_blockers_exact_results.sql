@@ -321,7 +321,6 @@ DECLARE
     v_saved text;
     v_limit interval;
     v_deadline timestamptz;
-    v_announced boolean := false;
 BEGIN
     IF p_key IS NULL OR p_key = '' THEN
         RAISE EXCEPTION USING ERRCODE = 'TG002',
@@ -356,19 +355,18 @@ BEGIN
                                  p_key, v_limit);
         END IF;
         IF NOT EXISTS (SELECT 1 FROM toolguard_high_water WHERE key = p_key) THEN
-            -- A new key: create its row, announced (nobody can see it before the commit),
-            -- waiting one step at a time for another creator of the same key.
-            IF NOT v_announced THEN
-                PERFORM pg_advisory_xact_lock_shared(toolguard_key_lock(p_key, 1)),
-                        pg_advisory_xact_lock_shared(toolguard_key_lock(p_key, 2));
-                v_announced := true;
-            END IF;
+            -- A new key: create its row, waiting one step at a time for another creator
+            -- of the same key. Only the creator announces itself, once its insert went
+            -- through (nobody can see the row before the commit): a transaction still
+            -- waiting to create it is another waiter, never a blocker to be ended.
             BEGIN
                 PERFORM set_config('lock_timeout', v_step_ms || 'ms', true);
                 INSERT INTO toolguard_high_water (key, token) VALUES (p_key, p_token)
                 ON CONFLICT (key) DO NOTHING;
                 IF FOUND THEN
                     PERFORM set_config('lock_timeout', v_saved, true);  -- as it was
+                    PERFORM pg_advisory_xact_lock_shared(toolguard_key_lock(p_key, 1)),
+                            pg_advisory_xact_lock_shared(toolguard_key_lock(p_key, 2));
                     RETURN p_token;
                 END IF;
                 RAISE EXCEPTION USING ERRCODE = 'TG090';  -- created by someone else meanwhile

@@ -1,7 +1,8 @@
--- toolguard guarded store, SQLite schema version 2: a tamper-evident audit log.
+-- toolguard guarded store, SQLite schema version 3: a tamper-evident audit log.
 --
 -- Same tables and meaning as ../005_tamper_evident_audit.sql. It touches only the
--- audit log's tables, so it is independent of other numbered files. Apply it
+-- audit log's tables and needs 002_controls.sql before it (which adds the audit's
+-- policy_version column, part of every row's hash). Apply it
 -- once (the installer records it in toolguard_schema_version; SQLite's ALTER
 -- TABLE ADD COLUMN cannot be repeated).
 --
@@ -12,7 +13,6 @@
 -- that inserts without it leaves row_hash NULL: the next seal then covers the row
 -- with the hash of its content at that time.
 
-ALTER TABLE toolguard_audit ADD COLUMN policy_version TEXT;
 ALTER TABLE toolguard_audit ADD COLUMN row_hash BLOB;
 
 CREATE TABLE IF NOT EXISTS toolguard_audit_seal (
@@ -63,4 +63,4 @@ BEGIN
 END;
 
 INSERT OR IGNORE INTO toolguard_schema_version (version, name)
-VALUES (2, '002_tamper_evident_audit');
+VALUES (3, '003_tamper_evident_audit');

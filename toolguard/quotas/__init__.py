@@ -1,0 +1,241 @@
+"""Quotas: at most N calls per window, K in flight, a budget per window (``quotas:``).
+
+The guard's step, once the call is validated and its keys are known::
+
+    admission = quotas.admit(rule, facts)   # raises RateLimited / InFlightLimited /
+    try:                                    # BudgetExceeded with retry_after_s
+        ...                                 # lock, run, fenced write
+    finally:
+        admission.finish(applied=...)       # frees in-flight slots; refunds the budget
+                                            # of a call that did not apply
+
+Windows slide (at most N in any trailing window, no burst at a boundary) and
+are kept on the backend's clock; every quota of a call is admitted in one
+atomic step, all or nothing. A retried intent (same idempotency key) is not
+counted twice. Backends: ``RedisQuotas`` (Lua), ``PostgresQuotas`` (one SQL
+function), ``SqliteQuotas`` (one ``BEGIN IMMEDIATE``), each with an asyncio twin;
+``quota_backend(store_or_url)`` picks one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from toolguard.errors import ConfigurationError
+from toolguard.extras import require
+from toolguard.facts import CallFacts
+from toolguard.policies.model import ToolPolicy
+from toolguard.quotas.base import (
+    Admitted,
+    AsyncQuotaBackend,
+    Entry,
+    QuotaBackend,
+    Refused,
+    Verdict,
+)
+from toolguard.quotas.charges import IN_FLIGHT_RETRY_S, Charge, charges, refusal, scope_name
+
+__all__ = [
+    "IN_FLIGHT_RETRY_S",
+    "Admission",
+    "Admitted",
+    "AsyncAdmission",
+    "AsyncQuotaBackend",
+    "AsyncQuotas",
+    "Charge",
+    "Entry",
+    "QuotaBackend",
+    "Quotas",
+    "Refused",
+    "Verdict",
+    "async_quota_backend",
+    "charges",
+    "quota_backend",
+    "refusal",
+    "scope_name",
+]
+
+
+@dataclass(slots=True)
+class _Held:
+    """The entries one admission added (only those may be taken back)."""
+
+    charges: tuple[Charge, ...] = ()
+    fresh: tuple[bool, ...] = ()
+    done: bool = False
+
+    def entries(self, kinds: tuple[str, ...]) -> list[Entry]:
+        return [(c.scope, c.entry) for c, new in zip(self.charges, self.fresh, strict=True)
+                if new and c.kind in kinds]
+
+    def lease_ms(self) -> int:
+        return max((c.ttl_ms for c in self.charges if c.kind == "in_flight"), default=0)
+
+
+def _to_take_back(held: _Held, applied: bool) -> list[Entry]:
+    """In-flight slots always; budget entries when the call did not apply. Rates stay counted."""
+    return held.entries(("in_flight",) if applied else ("in_flight", "budget"))
+
+
+@dataclass(slots=True)
+class Admission:
+    """What ``Quotas.admit`` counted for one call; ``finish`` once the call is over."""
+
+    backend: QuotaBackend | None = None
+    held: _Held = field(default_factory=_Held)
+
+    @property
+    def charges(self) -> tuple[Charge, ...]:
+        return self.held.charges
+
+    def finish(self, *, applied: bool) -> int:
+        """Free the in-flight slots; if the call did not apply, refund its budget. Idempotent.
+
+        ``applied`` is True for an accepted call, and for an outcome that is
+        unknown (it may have applied: fail closed, keep the budget drawn).
+        """
+        if self.held.done or self.backend is None:
+            return 0
+        self.held.done = True
+        return self.backend.release(_to_take_back(self.held, applied))
+
+    def renew(self) -> bool:
+        """Extend the in-flight slots by their lease (a long call); False if one was lost."""
+        entries = self.held.entries(("in_flight",))
+        if self.backend is None or not entries or self.held.done:
+            return True
+        return all(self.backend.renew(entries, self.held.lease_ms()))
+
+
+@dataclass(slots=True)
+class AsyncAdmission:
+    """The asyncio twin of ``Admission``."""
+
+    backend: AsyncQuotaBackend | None = None
+    held: _Held = field(default_factory=_Held)
+
+    @property
+    def charges(self) -> tuple[Charge, ...]:
+        return self.held.charges
+
+    async def finish(self, *, applied: bool) -> int:
+        if self.held.done or self.backend is None:
+            return 0
+        self.held.done = True
+        return await self.backend.release(_to_take_back(self.held, applied))
+
+    async def renew(self) -> bool:
+        entries = self.held.entries(("in_flight",))
+        if self.backend is None or not entries or self.held.done:
+            return True
+        return all(await self.backend.renew(entries, self.held.lease_ms()))
+
+
+def _raise_refused(todo: Sequence[Charge], verdict: Refused, facts: CallFacts) -> None:
+    raise refusal(todo[verdict.index], verdict.retry_after_s, facts)
+
+
+class Quotas:
+    """The quota step (sync): ``admit(rule, facts)`` counts the call or raises the refusal."""
+
+    def __init__(self, backend: QuotaBackend) -> None:
+        self.backend = backend
+
+    def admit(self, rule: ToolPolicy, facts: CallFacts) -> Admission:
+        """Count ``facts`` against every quota of ``rule``, all or none.
+
+        Raises ``RateLimited``, ``InFlightLimited`` or ``BudgetExceeded`` (with
+        ``retry_after_s``), ``InvalidArguments`` for an unusable budget amount,
+        ``BackendUnavailable`` when the backend cannot be reached (fail closed).
+        A tool without quotas costs nothing: no round trip.
+        """
+        todo = charges(rule, facts)
+        if not todo:
+            return Admission()
+        verdict = self.backend.admit(todo)
+        if isinstance(verdict, Refused):
+            _raise_refused(todo, verdict, facts)
+        assert isinstance(verdict, Admitted)
+        return Admission(self.backend, _Held(todo, verdict.fresh))
+
+
+class AsyncQuotas:
+    """The quota step (asyncio)."""
+
+    def __init__(self, backend: AsyncQuotaBackend) -> None:
+        self.backend = backend
+
+    async def admit(self, rule: ToolPolicy, facts: CallFacts) -> AsyncAdmission:
+        todo = charges(rule, facts)
+        if not todo:
+            return AsyncAdmission()
+        verdict = await self.backend.admit(todo)
+        if isinstance(verdict, Refused):
+            _raise_refused(todo, verdict, facts)
+        assert isinstance(verdict, Admitted)
+        return AsyncAdmission(self.backend, _Held(todo, verdict.fresh))
+
+
+def quota_backend(target: Any, **options: Any) -> QuotaBackend:
+    """A sync backend for a store (PostgreSQL or SQLite) or a Redis URL / client.
+
+    Quotas on a store need its schema version 4 (PostgreSQL) / 2 (SQLite):
+    ``toolguard db init``. Redis options: ``prefix`` (default ``tgq``).
+    """
+    if isinstance(target, str):
+        scheme = urlparse(target).scheme
+        if scheme in ("redis", "rediss", "unix"):
+            require("redis", "Redis quotas")
+            from toolguard.quotas.redis import RedisQuotas
+
+            return RedisQuotas(target, **options)
+        msg = (f"quotas live on Redis (redis://...) or in the store (pass the store), got "
+               f"{target!r}")
+        raise ConfigurationError(msg)
+    dialect = getattr(target, "dialect", None)
+    if dialect == "postgresql":
+        from toolguard.quotas.postgres import PostgresQuotas
+
+        return PostgresQuotas(target)
+    if dialect == "sqlite":
+        from toolguard.quotas.sqlite import SqliteQuotas
+
+        return SqliteQuotas(target)
+    if type(target).__module__.startswith("redis"):
+        from toolguard.quotas.redis import RedisQuotas
+
+        return RedisQuotas(target, **options)
+    msg = f"no quota backend for {target!r}: give a guarded store or a Redis URL"
+    raise ConfigurationError(msg)
+
+
+def async_quota_backend(target: Any, **options: Any) -> AsyncQuotaBackend:
+    """An asyncio backend for an async store or a Redis URL / ``redis.asyncio`` client."""
+    if isinstance(target, str):
+        scheme = urlparse(target).scheme
+        if scheme in ("redis", "rediss", "unix"):
+            require("redis", "Redis quotas")
+            from toolguard.quotas.redis import AsyncRedisQuotas
+
+            return AsyncRedisQuotas(target, **options)
+        msg = (f"quotas live on Redis (redis://...) or in the store (pass the store), got "
+               f"{target!r}")
+        raise ConfigurationError(msg)
+    dialect = getattr(target, "dialect", None)
+    if dialect == "postgresql":
+        from toolguard.quotas.postgres import AsyncPostgresQuotas
+
+        return AsyncPostgresQuotas(target)
+    if dialect == "sqlite":
+        from toolguard.quotas.sqlite import AsyncSqliteQuotas
+
+        return AsyncSqliteQuotas(target)
+    if type(target).__module__.startswith("redis"):
+        from toolguard.quotas.redis import AsyncRedisQuotas
+
+        return AsyncRedisQuotas(target, **options)
+    msg = f"no quota backend for {target!r}: give an async guarded store or a Redis URL"
+    raise ConfigurationError(msg)
