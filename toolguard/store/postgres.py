@@ -10,7 +10,11 @@ binding (``ClientCursor``: the values are still passed as parameters and
 quoted by psycopg, never formatted into the SQL by hand), which costs less
 client CPU than pipeline mode for the same single round trip. A failed write
 sends its ``ROLLBACK`` together with the audit row (written after the
-rollback, in a transaction of its own) the same way.
+rollback, in a transaction of its own) the same way. A replay (the intent was
+applied before) sends ``COMMIT`` instead: its fences were checked and advanced
+before the replay was found, and the store must remember the tokens it has seen
+(schema version 6 leaves the applied intent row unwritten, so only the fence
+advance commits).
 
 Connections are autocommit; a fenced write opens its own transaction. With
 ``schema=...`` every pooled connection uses that schema alone as its
@@ -120,6 +124,9 @@ FAILURE = f"WITH failed AS ({_INTENT_FAILED}) {_AUDIT_INTO}"
 #: One message (client-side binding): end the failed transaction, then record the failure in a
 #: transaction of its own (statements after ROLLBACK in one simple query commit together).
 ROLLBACK_FAILURE = f"ROLLBACK; {FAILURE}"
+#: The same for a replay found by ``toolguard_enter``: its fence advance is committed (the
+#: store has seen its tokens), the intent row was left as it was, and the audit row follows.
+COMMIT_FAILURE = f"COMMIT; {FAILURE}"
 _OPEN = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 MARK_UNKNOWN = ("UPDATE toolguard_intent SET status = 'unknown', updated_at = now() "
                 "WHERE idempotency_key = %s AND status <> 'applied'")
@@ -346,6 +353,9 @@ class _Session:
         self.tx: FencedTransaction | None = None
         #: ``abort`` left the ROLLBACK to ``record_failure``, to send it with the audit row.
         self.rollback_pending = False
+        #: The replay ``enter`` found: its transaction ends with COMMIT, not ROLLBACK.
+        self.replay: DuplicateIntent | None = None
+        self.commit_pending = False
 
     def _execute(self, query: str, params: Any, counted: bool = False) -> psycopg.Cursor[Any]:
         # ``counted``: a psycopg cursor's ``rowcount`` already counts returned or changed rows.
@@ -367,7 +377,8 @@ class _Session:
         row = cursor.fetchone()
         assert row is not None
         if row[0]:
-            raise _duplicate(plan, row[1])
+            self.replay = _duplicate(plan, row[1])
+            raise self.replay
         self.tx = FencedTransaction(conn, plan, DIALECT, self._execute)
         return self.tx
 
@@ -381,29 +392,33 @@ class _Session:
         psycopg.ClientCursor(self.conn).execute(query, params)
 
     def abort(self, error: BaseException) -> BaseException:
-        # The ROLLBACK goes out with the failure's audit row, in one message (record_failure);
-        # ``settle`` sends it alone if that never happens.
+        # The ROLLBACK (a replay's COMMIT) goes out with the failure's audit row, in one
+        # message (record_failure); ``settle`` sends it alone if that never happens.
         self.rollback_pending = not self.conn.closed and self.conn.info.transaction_status in _OPEN
+        self.commit_pending = self.rollback_pending and error is self.replay
         mapped = translate(error)
         if isinstance(mapped, BackendUnavailable):
             self.store._forget_dead()
         return mapped
 
     def settle(self) -> None:
-        """Roll back a transaction that ``abort`` left open (before the connection goes back)."""
+        """End a transaction that ``abort`` left open (before the connection goes back)."""
         conn = self.conn
-        self.rollback_pending = False
+        ending = "COMMIT" if self.commit_pending else "ROLLBACK"
+        self.rollback_pending = self.commit_pending = False
         if not conn.closed and conn.info.transaction_status in _OPEN:
             with contextlib.suppress(psycopg.Error):
-                conn.execute("ROLLBACK")
+                conn.execute(ending)
 
     def record_failure(self, plan: FencePlan, entry: AuditEntry,
                        status: IntentStatus | None) -> None:
         params = _failure_params(plan, entry, status)
         if self.rollback_pending:
             self.rollback_pending = False
+            query = COMMIT_FAILURE if self.commit_pending else ROLLBACK_FAILURE
             try:
-                psycopg.ClientCursor(self.conn).execute(ROLLBACK_FAILURE, params)
+                psycopg.ClientCursor(self.conn).execute(query, params)
+                self.commit_pending = False
                 return
             except psycopg.Error:
                 self.settle()  # then try once more below, alone
@@ -579,6 +594,8 @@ class _AsyncSession:
         self.conn = conn
         self.tx: AsyncFencedTransaction | None = None
         self.rollback_pending = False
+        self.replay: DuplicateIntent | None = None  # as in the sync session
+        self.commit_pending = False
 
     async def _execute(self, query: str, params: Any,
                        counted: bool = False) -> psycopg.AsyncCursor[Any]:
@@ -600,7 +617,8 @@ class _AsyncSession:
         row = await cursor.fetchone()
         assert row is not None
         if row[0]:
-            raise _duplicate(plan, row[1])
+            self.replay = _duplicate(plan, row[1])
+            raise self.replay
         self.tx = AsyncFencedTransaction(conn, plan, DIALECT, self._execute)
         return self.tx
 
@@ -614,28 +632,33 @@ class _AsyncSession:
         await psycopg.AsyncClientCursor(self.conn).execute(query, params)
 
     async def abort(self, error: BaseException) -> BaseException:
-        # As the sync twin: the ROLLBACK goes out with the audit row (or alone, in ``settle``).
+        # As the sync twin: the ROLLBACK (a replay's COMMIT) goes out with the audit row (or
+        # alone, in ``settle``).
         self.rollback_pending = not self.conn.closed and self.conn.info.transaction_status in _OPEN
+        self.commit_pending = self.rollback_pending and error is self.replay
         mapped = translate(error)
         if isinstance(mapped, BackendUnavailable):
             await self.store._forget_dead()
         return mapped
 
     async def settle(self) -> None:
-        """Roll back a transaction that ``abort`` left open (before the connection goes back)."""
+        """End a transaction that ``abort`` left open (before the connection goes back)."""
         conn = self.conn
-        self.rollback_pending = False
+        ending = "COMMIT" if self.commit_pending else "ROLLBACK"
+        self.rollback_pending = self.commit_pending = False
         if not conn.closed and conn.info.transaction_status in _OPEN:
             with contextlib.suppress(psycopg.Error):
-                await conn.execute("ROLLBACK")
+                await conn.execute(ending)
 
     async def record_failure(self, plan: FencePlan, entry: AuditEntry,
                              status: IntentStatus | None) -> None:
         params = _failure_params(plan, entry, status)
         if self.rollback_pending:
             self.rollback_pending = False
+            query = COMMIT_FAILURE if self.commit_pending else ROLLBACK_FAILURE
             try:
-                await psycopg.AsyncClientCursor(self.conn).execute(ROLLBACK_FAILURE, params)
+                await psycopg.AsyncClientCursor(self.conn).execute(query, params)
+                self.commit_pending = False
                 return
             except psycopg.Error:
                 await self.settle()
