@@ -27,6 +27,13 @@ that transaction once the stopped holder's lease is gone (see
 ``pg_signal_backend``). The stopped holder's attempt then fails when it wakes:
 ``LockLost`` when it passed its lease to ``fenced()``, else
 ``BackendUnavailable``; audited once, its intent not applied.
+
+Errors: the ``TGnnn`` SQLSTATEs of ``toolguard/sql`` become their typed errors;
+a statement the server ended (``statement_timeout`` or a cancel, a deadlock, a
+serialization failure, ``lock_timeout``) becomes a ``TransactionAborted``
+subclass with its own reason code (``statement_timeout``, ``query_canceled``,
+``deadlock``, ``serialization_failure``, ``lock_not_available``); a lost
+server ``BackendUnavailable``. Inside ``fenced()`` each is audited once.
 """
 
 from __future__ import annotations
@@ -75,7 +82,15 @@ from toolguard.store.base import (
     schema_missing,
 )
 
-__all__ = ["AsyncPostgresStore", "PostgresStore"]
+__all__ = [
+    "AsyncPostgresStore",
+    "Deadlock",
+    "LockNotAvailable",
+    "PostgresStore",
+    "SerializationFailure",
+    "StatementTimeout",
+    "TransactionAborted",
+]
 
 log = logging.getLogger("toolguard.store")
 
@@ -147,6 +162,69 @@ _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
 _GONE = ("57P01", "57P02", "57P03")
 
 
+class TransactionAborted(StoreError):
+    """PostgreSQL ended a statement, and with it its transaction: nothing of it was committed.
+
+    The server's own refusal to go on (a timeout, a deadlock, a serialization
+    failure), not toolguard's; ``sqlstate`` names it. A fenced write that meets
+    one is audited once as ``failed`` with this reason, its intent marked
+    'failed', and the call may be retried.
+    """
+
+    reason = "transaction_aborted"
+
+    def __init__(self, message: str, *, sqlstate: str | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.sqlstate = sqlstate
+
+
+class StatementTimeout(TransactionAborted):
+    """SQLSTATE 57014: ``statement_timeout`` ran out (reason ``statement_timeout``), or the
+    statement was cancelled (``pg_cancel_backend``, a client's cancel: ``query_canceled``)."""
+
+    reason = "statement_timeout"
+
+
+class Deadlock(TransactionAborted):
+    """SQLSTATE 40P01: PostgreSQL broke a deadlock by ending this transaction."""
+
+    reason = "deadlock"
+
+
+class SerializationFailure(TransactionAborted):
+    """SQLSTATE 40001: a REPEATABLE READ or SERIALIZABLE transaction could not be serialized."""
+
+    reason = "serialization_failure"
+
+
+class LockNotAvailable(TransactionAborted):
+    """SQLSTATE 55P03: a row or table lock was not granted within the session's
+    ``lock_timeout`` (or ``NOWAIT``)."""
+
+    reason = "lock_not_available"
+
+
+#: What a SQLSTATE that ends the statement and its transaction becomes.
+_ABORTED: dict[str, type[TransactionAborted]] = {
+    "57014": StatementTimeout,
+    "40P01": Deadlock,
+    "40001": SerializationFailure,
+    "55P03": LockNotAvailable,
+}
+
+
+def _aborted(error: psycopg.Error, state: str) -> TransactionAborted:
+    cls = _ABORTED[state]
+    said = (error.diag.message_primary or str(error)).strip()
+    reason = None
+    if cls is StatementTimeout and "statement timeout" not in said:
+        reason = "query_canceled"
+    msg = (f"postgresql ended the statement ({said}); its transaction was rolled back, "
+           f"nothing of it was committed, and the call may be retried")
+    return cls(msg, sqlstate=state, reason=reason)
+
+
 def check_url(url: str) -> None:
     """Fail early, as a ``ConfigurationError``, on a URL libpq cannot parse."""
     try:
@@ -181,6 +259,8 @@ def translate(error: BaseException) -> BaseException:
                                  error.diag.message_detail)
     if mapped is not None:
         return mapped
+    if state in _ABORTED:
+        return _aborted(error, state)
     if isinstance(error, psycopg.OperationalError) and (
             state is None or state.startswith("08") or state in _GONE):
         return BackendUnavailable(f"postgresql: {str(error).strip()}")
