@@ -31,6 +31,7 @@ configuration, persistence and clock are reported per node. Sentinel
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import sqlite3
@@ -101,7 +102,7 @@ class _LockProbe:
 
     kind: str  # redis | sqlite | postgres | etcd (Redis Cluster and Sentinel are "redis")
     url: str
-    ping: Callable[[], None]
+    ping: Callable[[], object]
     server_time_us: Callable[[], int | None]  # None: no clock to compare (same host, etcd)
     current_token: Callable[[str], int | None]  # None: not comparable
     #: Redis: each node's configuration (one node, or every primary of a cluster).
@@ -164,6 +165,11 @@ def _probe_redis(url: str, timeout: float, prefix: str) -> _LockProbe:
                       backend.current_token, config, client.close, location=location)
 
 
+def _node_clock(cluster: Any, node: Any) -> Callable[[], int | None]:
+    """One cluster node's clock, in microseconds."""
+    return lambda: _time_us(cluster.time(target_nodes=node))
+
+
 def _probe_redis_ha(url: str, timeout: float, prefix: str) -> _LockProbe:
     """Redis Cluster: every primary (CONFIG and INFO go to each, the clock of each is read).
     Sentinel: the primary the sentinels name, probed like one Redis."""
@@ -174,18 +180,17 @@ def _probe_redis_ha(url: str, timeout: float, prefix: str) -> _LockProbe:
     timeouts = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
     parsed = replace(parsed, options={**timeouts, **parsed.options})
     if parsed.scheme in redis_ha.CLUSTER_SCHEMES:
-        cluster = redis_ha.cluster_client(parsed)  # reads the slot map: unreachable fails here
+        # reads the slot map: an unreachable cluster fails here
+        cluster: Any = redis_ha.cluster_client(parsed)
         backend: Any = redis_ha.RedisClusterBackend(cluster, prefix=prefix)
         primaries = cluster.get_primaries()
 
         def cluster_config() -> dict[str, NodeConfig]:
-            return {node.name: _redis_config(
-                lambda name, node=node: cluster.config_get(name, target_nodes=node),
-                lambda section, node=node: cluster.info(section, target_nodes=node))
-                for node in cluster.get_primaries()}
+            return {node.name: _redis_config(functools.partial(cluster.config_get, target_nodes=node),
+                                             functools.partial(cluster.info, target_nodes=node))
+                    for node in cluster.get_primaries()}
 
-        clocks = [(f"lock server (redis-cluster {node.name})",
-                   lambda node=node: _time_us(cluster.time(target_nodes=node)))
+        clocks = [(f"lock server (redis-cluster {node.name})", _node_clock(cluster, node))
                   for node in primaries]
 
         def earliest_us() -> int:  # the fence check assumes the slowest clock: never too hopeful
@@ -197,7 +202,7 @@ def _probe_redis_ha(url: str, timeout: float, prefix: str) -> _LockProbe:
             location=f"{len(primaries)} primar{'y' if len(primaries) == 1 else 'ies'} "
                      f"({', '.join(node.name for node in primaries)})",
             label="redis-cluster", clocks=clocks)
-    client = redis_ha.sentinel_client(parsed)
+    client: Any = redis_ha.sentinel_client(parsed)
     backend = redis_ha.RedisSentinelBackend(client, prefix=prefix)
     host, port = client.connection_pool.get_master_address()  # asks the sentinels
     primary = f"{host}:{port}"
