@@ -900,7 +900,14 @@ def _signal(store: Any, installed: int) -> Check:
                      f"role {role} may not end the sessions of {shown}, which may fence here too, "
                      f"and is not in pg_signal_backend: a paused holder of theirs makes the next "
                      f"holder wait until it wakes", _SIGNAL_WHY, data=data,
-                     fix=f"GRANT pg_signal_backend TO {role} (or one role for every client)")
+                     fix=f"GRANT pg_signal_backend TO {_ident(role)} (or one role for every client)")
     return Check("pg_signal", title, "pass",
                  f"role {role} is the only role that may fence here (others it may not signal: "
                  f"none): one role for every client", _SIGNAL_WHY, data=data)
+
+
+def _ident(name: str) -> str:
+    """A role name as SQL would need it in a GRANT (quoted unless plain)."""
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name):
+        return name
+    return '"' + name.replace('"', '""') + '"'
