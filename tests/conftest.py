@@ -70,3 +70,11 @@ def unique() -> str:
 @pytest.fixture
 def sqlite_path(tmp_path) -> Iterator[str]:
     yield str(tmp_path / "toolguard.db")
+
+
+@pytest.fixture(autouse=True)
+def _no_terminal_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output under test is piped: a COLUMNS/LINES exported by the runner (pytest-xdist
+    workers, a CI shell) would make the CLI wrap at that width instead."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
