@@ -376,6 +376,11 @@ class Call:
         if self._span is not None:
             self._span.set_attribute(TOKENS, _sorted_tokens(tokens.items()))
 
+    @property
+    def listening(self) -> bool:
+        """True when a tracer or a meter provider takes what this call reports."""
+        return self._tracer is not None or self._instruments is not None
+
     def step(self, name: str, attributes: Mapping[str, Any] | None = None
              ) -> AbstractContextManager[Any]:
         """A child span around one step of the call (``STEPS``)."""
@@ -429,6 +434,7 @@ class _NoCall(Call):
         self._tracer = None
         self._instruments = None
         self._span = None
+        self._current = None
 
     def __enter__(self) -> Call:
         return self
@@ -453,7 +459,20 @@ class _NoCall(Call):
         return decision
 
 
-#: The shared call of every guarded call while no provider is configured.
+class _Unobserved(_NoCall):
+    """A call while no provider is configured: current, so ``run_fenced`` need not look again."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Call:
+        self._current = _CURRENT.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.reset(self._current)  # type: ignore[arg-type]
+
+
+#: The shared call of every guarded call while the package is missing.
 NO_CALL: Call = _NoCall()
 #: The guarded call running in this context (a traced or measured one): ``run_fenced`` reports
 #: its lease to it and uses its tracer and instruments instead of looking up the providers again.
@@ -463,13 +482,14 @@ _CURRENT: ContextVar[Call | None] = ContextVar("toolguard_telemetry_call", defau
 def start_call(intent: Intent, tools: Mapping[str, Any]) -> Call:
     """The telemetry of one guarded call; ``tools``: the policy's tools (names it may show).
 
-    ``NO_CALL`` without the extra or without a configured provider.
+    Without the extra, the shared ``NO_CALL``; without a configured provider, a
+    call whose hooks do nothing either (``listening`` is false).
     """
     if _trace is None:
         return NO_CALL
     tracer, instruments = _tracer(), _instruments()
     if tracer is None and instruments is None:
-        return NO_CALL
+        return _Unobserved()
     return Call(tracer, instruments, intent, tools)
 
 
@@ -618,6 +638,8 @@ def start_fenced(intent: IntentRecord | None) -> Fenced:
     tool = intent.tool if intent is not None else None
     call = _CURRENT.get()
     if call is not None:  # inside a guarded call: its providers, looked up once per call
+        if not call.listening:
+            return NO_FENCED
         return Fenced(call._tracer, call._instruments, tool, call)
     tracer, instruments = _tracer(), _instruments()
     if tracer is None and instruments is None:

@@ -76,8 +76,10 @@ def test_with_no_provider_configured_a_call_gets_the_shared_null_telemetry(
         from toolguard.intent import Intent
 
         intent = Intent(tool="deposit", call_id="c0", agent="teller")
-        null = telemetry.start_call(intent, guard.policy.tools) is telemetry.NO_CALL
+        null = not telemetry.start_call(intent, guard.policy.tools).listening
         fenced = telemetry.start_fenced(None) is telemetry.NO_FENCED
+        with telemetry.start_call(intent, guard.policy.tools):  # no second look inside a call
+            fenced = fenced and telemetry.start_fenced(None) is telemetry.NO_FENCED
         decision = deposit.run({"account_id": "A-1", "amount": 5}, call_id="c1", thread_id="t")
         sdk = sorted(m for m in sys.modules if m.startswith("opentelemetry.sdk"))
         print(json.dumps([null, fenced, decision.kind, telemetry.available(), sdk]))

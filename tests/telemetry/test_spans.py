@@ -323,7 +323,7 @@ def test_a_call_whose_provider_is_off_records_nothing(harness: HarnessFactory,
     add_score, _, _ = lead_functions(h)
     telemetry.use_providers(tracer_provider=NoOpTracerProvider(),
                             meter_provider=NoOpMeterProvider())
-    assert telemetry.start_call(Intent(tool="add_score"), h.policy.tools) is telemetry.NO_CALL
+    assert not telemetry.start_call(Intent(tool="add_score"), h.policy.tools).listening
 
     assert add_score.run({"lead_id": "L-1", "delta": 5}, call_id="c1", thread_id="t1").ok
 
