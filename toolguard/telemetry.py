@@ -36,9 +36,12 @@ from toolguard.errors import DuplicateIntent, ToolGuardError, is_control_flow
 try:
     from opentelemetry import context as _context
     from opentelemetry import metrics as _metrics
-    from opentelemetry import trace as _trace
+    from opentelemetry import trace as _api_trace
 except ImportError:  # the extra is not installed: every hook is a no-op
-    _trace = None  # type: ignore[assignment]
+    _api_trace = None  # type: ignore[assignment]
+#: ``opentelemetry.trace``, or ``None`` when the package is missing (the one switch every hook
+#: looks at first).
+_trace: Any = _api_trace
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Counter, Histogram, MeterProvider
@@ -274,7 +277,7 @@ class _Step:
         self._name = name
         self._attributes = attributes
         self._span: Span | None = None
-        self._token: object = None
+        self._token: Any = None
 
     def __enter__(self) -> Span:
         span = self._span = self._tracer.start_span(self._name, attributes=self._attributes)
@@ -329,7 +332,7 @@ class Call:
         agent = intent.agent if intent.problem is None else None
         self._agent = _text(agent) if agent else OTHER
         self._decided = False
-        self._token: object = None
+        self._token: Any = None
         self._current: object = None
         self._span: Span | None = None
         if tracer is not None:
