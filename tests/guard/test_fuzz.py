@@ -24,7 +24,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
 from langgraph.prebuilt.tool_node import ToolCallRequest, ToolInvocationError
@@ -244,8 +244,14 @@ def test_langgraph_wrapper_survives_hostile_calls(harness) -> None:
             tool_errors.append(error)
             raise
 
+    # The refusals the coverage check names are always among the examples, whatever the
+    # generator draws on a given run: an unknown tool, arguments the schema refuses.
     @settings(FUZZ, max_examples=examples(h))
     @given(call=tool_calls())
+    @example(call={"name": "drop_table", "args": {"lead_id": "a", "delta": 1}, "id": "call-u",
+                   "type": "tool_call"})
+    @example(call={"name": "add_score", "args": {"lead_id": "a", "delta": "1"}, "id": "call-s",
+                   "type": "tool_call"})
     def check(call: dict[str, Any]) -> None:
         info = ExecutionInfo(thread_id=f"fuzz-{next(threads)}", checkpoint_ns="tools:1",
                              checkpoint_id="cp", task_id="1", run_id=None, node_attempt=1)
@@ -317,8 +323,11 @@ def test_function_adapter_survives_hostile_calls(harness) -> None:
     @given(name=st.sampled_from(sorted(functions)), data=st.data(),
            agent=st.sampled_from(["scorer", "scorer", "scorer", "mallory", None, "sc\x00orer"]),
            call_id=st.one_of(st.none(), st.sampled_from(INJECTION), st.just("c" * 5_000)))
+    @example(name="add_score", data=None, agent="mallory", call_id="call-m")  # not authorized
+    @example(name="add_score", data=None, agent="scorer", call_id="call-s")   # schema refusal
     def check(name: str, data: Any, agent: str | None, call_id: str | None) -> None:
-        args = data.draw(arg_sets(name))
+        args = data.draw(arg_sets(name)) if data is not None else (
+            {"lead_id": "a", "delta": 1} if agent == "mallory" else {"lead_id": "a", "delta": "1"})
         audits, effects = snapshot(h)
         try:
             decision = functions[name].run(args, agent=agent, call_id=call_id,

@@ -25,11 +25,12 @@ def test_sqlite_init_and_status(tmp_path) -> None:
     assert invoke("status", "--url", url) == (EXIT_BEHIND, f"not installed in {url}; run "
                                                           f"`toolguard db init`\n")
     assert not (tmp_path / "cli.db").exists()  # status does not create the file
+    latest = latest_version("sqlite")
     code, out = invoke("init", "--url", url)
-    assert code == 0 and f"upgraded from version 0 to {latest_version('sqlite')}" in out
+    assert code == 0 and f"upgraded from version 0 to {latest}" in out
     code, out = invoke("init", "--url", url)
-    assert code == 0 and f"already at version {latest_version('sqlite')}" in out
-    assert invoke("status", "--url", url) == (0, f"schema version {latest_version('sqlite')} in {url}\n")
+    assert code == 0 and f"already at version {latest}" in out
+    assert invoke("status", "--url", url) == (0, f"schema version {latest} in {url}\n")
 
 
 def test_default_url_comes_from_settings(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,8 +26,9 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 
 
 EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
-                                      (3, "003_stale_blockers_exact_results"), (4, "004_controls")],
-                       "sqlite": [(1, "001_initial"), (2, "002_controls")]}
+                                      (3, "003_stale_blockers_exact_results"), (4, "004_controls"),
+                                      (5, "005_tamper_evident_audit")],
+                       "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit")]}
 
 
 def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:
@@ -51,7 +52,9 @@ def test_upgrade_from_the_first_version(env: StoreEnv) -> None:
     try:
         shipped = migrations(env.kind)
         assert store.install(shipped[:1]) == 1
-        store.audit(AuditEntry(decision="accepted", reason="applied", tool="before-upgrade"))
+        # written as the toolguard of that version did (this one needs the latest schema)
+        rows(store, "INSERT INTO toolguard_audit (decision, reason, tool) "
+                    "VALUES ('accepted', 'applied', 'before-upgrade')")
         assert store.install() == latest_version(env.kind)
         assert store.query_audit()[0].tool == "before-upgrade"
     finally:
@@ -74,10 +77,52 @@ def test_upgrade_applies_only_newer_files(env: StoreEnv) -> None:
         assert store.install(shipped) == latest + 1  # never downgrades
         assert rows(store, "SELECT x FROM toolguard_test_extra") == [(42,)]
         assert [r[0] for r in rows(store, "SELECT version FROM toolguard_schema_version "
-                                          "ORDER BY version")] == list(range(1, latest + 2))
+                                          "ORDER BY version")] == [
+            *(m.version for m in shipped), latest + 1]
         assert store.query_audit()[0].tool == "before-upgrade"  # data kept
     finally:
         store.close()
+
+
+def test_a_file_numbered_below_an_installed_one_is_still_applied(env: StoreEnv) -> None:
+    """Numbers are taken by whoever adds a file: a store can get version N+2 before N+1 exists.
+
+    N+1 must be applied when it arrives (not skipped because N+2 is "higher"), and until
+    then the store counts as at version N (behind), so ``db status`` says to run init.
+    """
+    store = env.open()
+    try:
+        shipped = list(migrations(env.kind))
+        latest = shipped[-1].version
+        later = Migration(latest + 2, f"{latest + 2:03d}_test_later",
+                          "CREATE TABLE toolguard_test_later (x INTEGER);\n")
+        earlier = Migration(latest + 1, f"{latest + 1:03d}_test_earlier",
+                            "CREATE TABLE toolguard_test_earlier (x INTEGER);\n"
+                            "INSERT INTO toolguard_test_earlier (x) VALUES (7);\n")
+        assert store.install([*shipped, later]) == latest + 2
+        assert store.install([*shipped, earlier, later]) == latest + 2
+        assert rows(store, "SELECT x FROM toolguard_test_earlier") == [(7,)]
+        assert store.install([*shipped, earlier, later]) == latest + 2  # not applied twice
+        assert rows(store, "SELECT x FROM toolguard_test_earlier") == [(7,)]
+        assert [r[0] for r in rows(store, "SELECT version FROM toolguard_schema_version "
+                                          "ORDER BY version")] == [
+            *(m.version for m in shipped), latest + 1, latest + 2]
+    finally:
+        store.close()
+
+
+def test_a_store_missing_a_shipped_file_counts_as_behind() -> None:
+    from toolguard.store.base import effective_version, pending_migrations
+
+    shipped = [Migration(v, f"{v:03d}_m", "") for v in (1, 2, 3, 5)]
+    assert effective_version(set(), shipped) == 0
+    assert effective_version({1, 2, 3}, shipped) == 3
+    assert effective_version({1, 2, 3, 5}, shipped) == 5
+    assert effective_version({1, 3, 5}, shipped) == 1  # 2 missing: behind, `db init` applies it
+    assert effective_version({1, 2, 3, 5, 6}, shipped) == 6  # a newer toolguard's files
+    assert effective_version({2, 3}, shipped) == 0
+    assert [m.version for m in pending_migrations(shipped, {1, 3})] == [2, 5]
+    assert [m.version for m in pending_migrations(reversed(shipped), set())] == [1, 2, 3, 5]
 
 
 def test_failed_upgrade_changes_nothing(env: StoreEnv) -> None:
@@ -118,7 +163,8 @@ def test_concurrent_installers_do_not_race(env: StoreEnv) -> None:
     try:
         latest = latest_version(env.kind)
         assert results == [latest] * 4
-        assert rows(stores[0], "SELECT count(*) FROM toolguard_schema_version") == [(latest,)]
+        assert rows(stores[0], "SELECT count(*) FROM toolguard_schema_version") == [
+            (len(migrations(env.kind)),)]
     finally:
         for store in stores:
             store.close()

@@ -79,6 +79,15 @@ store and retries once. Callers who acquire first and write later get the same
 step from ``reseed_if_regressed(locks, store, lease, stale)`` (see
 ``toolguard.store.recovery``); ``reseed`` raises the floors at any time.
 
+The audit log is tamper-evident: every row carries a hash of its content
+(``row_hash``, taken in the database) and the version of the policy that
+decided (``policy_version``); ``seal_audit()`` links closed ranges of rows into a
+chain of seals without ever making writers wait; ``verify_audit(anchor=...)``
+reports a changed, deleted or inserted row, or a changed seal, by id; and
+``export_audit(path, before=..., drop=True)`` moves old sealed ranges to a file
+that verifies on its own (``read_export``) while what remains still verifies.
+See ``docs/audit.md``.
+
 Names: ``open_store``/``open_async_store`` pick the backend by URL scheme
 (``postgresql://``/``postgres://`` or ``sqlite:///``); ``install=True`` installs
 or upgrades the schema (the async store does it before its first operation). The async store has the
@@ -116,6 +125,16 @@ from toolguard.store.base import (
     latest_version,
     migrations,
 )
+from toolguard.store.chain import (
+    GENESIS,
+    AuditVerification,
+    ChainHead,
+    ExportCheck,
+    ExportResult,
+    Problem,
+    SealResult,
+    read_export,
+)
 from toolguard.store.recovery import (
     Outcome,
     areseed,
@@ -129,13 +148,18 @@ from toolguard.store.recovery import (
 
 __all__ = [
     "DECISIONS",
+    "GENESIS",
     "SQLSTATES",
     "AsyncFencedTransaction",
     "AsyncGuardedStore",
     "AuditEntry",
     "AuditQuery",
+    "AuditVerification",
     "Begun",
+    "ChainHead",
     "Decision",
+    "ExportCheck",
+    "ExportResult",
     "FenceSource",
     "FencedTransaction",
     "GuardedStore",
@@ -144,7 +168,9 @@ __all__ = [
     "IntentStatus",
     "Migration",
     "Outcome",
+    "Problem",
     "Replay",
+    "SealResult",
     "areseed",
     "areseed_if_regressed",
     "arun_fenced",
@@ -153,6 +179,7 @@ __all__ = [
     "migrations",
     "open_async_store",
     "open_store",
+    "read_export",
     "reseed",
     "reseed_if_regressed",
     "run_fenced",

@@ -55,7 +55,10 @@ from toolguard.errors import (
 )
 
 if TYPE_CHECKING:
+    import os
     from contextlib import AbstractAsyncContextManager, AbstractContextManager
+
+    from toolguard.store.chain import AuditVerification, ExportResult, SealResult
 
 __all__ = [
     "DECISIONS",
@@ -75,10 +78,12 @@ __all__ = [
     "Migration",
     "Replay",
     "dump_json",
+    "effective_version",
     "error_from_sqlstate",
     "expected_rows",
     "latest_version",
     "migrations",
+    "pending_migrations",
     "qmark",
     "require_held",
     "storable_json",
@@ -115,8 +120,9 @@ class IntentRecord:
     ``idempotency_key`` makes the write exactly-once; without it ``fenced()``
     still fences and audits, but a retry would apply again. ``args_hash`` is
     required with a key: the same key with another hash is a conflict.
-    ``intent_id`` (the tool-call id), ``args`` (already redacted) and
-    ``node_attempt`` only go to the audit log.
+    ``intent_id`` (the tool-call id), ``args`` (already redacted),
+    ``node_attempt`` and ``policy_version`` (the version of the policy that
+    decided, e.g. its hash) only go to the audit log.
     """
 
     tool: str
@@ -128,6 +134,7 @@ class IntentRecord:
     intent_id: str | None = None
     args: Any = None
     node_attempt: int | None = None
+    policy_version: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tool, str) or not self.tool:
@@ -148,6 +155,7 @@ class IntentRecord:
                 if problem:
                     msg = f"intent field {name!r} {problem}: {text!r} (the stores cannot keep it)"
                     raise StoreError(msg, reason="invalid_intent")
+        check_policy_version(self.policy_version, "invalid_intent")
 
 
 #: The intent's text that identifies it in the stores: refused, never altered, if unstorable.
@@ -187,6 +195,9 @@ class AuditEntry:
     """One audit row. ``id`` and ``at`` are set by the database.
 
     ``args`` must already be redacted: the store writes what it is given.
+    ``policy_version`` names the version of the policy that decided (e.g. its
+    hash); None (NULL) when the writer does not know it. Every row also gets a
+    hash of its own content in the store (``row_hash``, see ``docs/audit.md``).
     """
 
     decision: str
@@ -202,6 +213,7 @@ class AuditEntry:
     detail: str | None = None
     duration_ms: float | None = None
     node_attempt: int | None = None
+    policy_version: str | None = None
     id: int | None = None
     at: datetime | None = None
 
@@ -209,6 +221,7 @@ class AuditEntry:
         if not self.decision or not self.reason:
             msg = "an audit entry needs a decision and a reason code"
             raise StoreError(msg, reason="invalid_audit")
+        check_policy_version(self.policy_version, "invalid_audit")
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "tokens", dict(self.tokens))
 
@@ -233,12 +246,28 @@ class AuditEntry:
                 storable_text(self.reason), keys,
                 _JSON.encode({storable_text(k): v for k, v in self.tokens.items()}),
                 None if self.args is None else _audit_json(self.args),
-                clean(self.detail), self.duration_ms, self.node_attempt)
+                clean(self.detail),
+                # Exact types, as the columns keep them (the SQLite row hash is taken from these).
+                None if self.duration_ms is None else float(self.duration_ms),
+                None if self.node_attempt is None else int(self.node_attempt),
+                clean(self.policy_version))
 
 
 AUDIT_COLUMNS = ("agent", "tool", "intent_id", "idempotency_key", "workflow", "decision", "reason",
-                 "keys", "tokens", "args", "detail", "duration_ms", "node_attempt")
+                 "keys", "tokens", "args", "detail", "duration_ms", "node_attempt", "policy_version")
 AUDIT_SELECT = ("id", "at", *AUDIT_COLUMNS)
+#: Longest ``policy_version`` the stores accept (a hash with a prefix fits many times over).
+POLICY_VERSION_MAX = 200
+
+
+def check_policy_version(value: object, reason: str) -> None:
+    """``policy_version`` is None or a short non-empty string (a hash, a tag): refused otherwise."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value or len(value) > POLICY_VERSION_MAX:
+        msg = (f"policy_version must be None or a non-empty string of at most "
+               f"{POLICY_VERSION_MAX} characters (e.g. the policy's hash), got {value!r}")
+        raise StoreError(msg, reason=reason)
 
 
 #: Built once: ``json.dumps`` with these options would build a new encoder on every call.
@@ -387,6 +416,32 @@ def migrations(dialect: Literal["postgresql", "sqlite"]) -> tuple[Migration, ...
 def latest_version(dialect: Literal["postgresql", "sqlite"]) -> int:
     """The schema version this toolguard installs."""
     return migrations(dialect)[-1].version
+
+
+def pending_migrations(steps: Iterable[Migration], installed: Collection[int]) -> list[Migration]:
+    """The steps not recorded as installed, in version order.
+
+    By the set of recorded versions, not by "above the highest one": files are
+    numbered by whoever adds them, so a store may have received version 5 before
+    version 4 exists; 4 is applied when it arrives. Every file is written to be
+    independent of files with other numbers that touch other tables.
+    """
+    done = set(installed)
+    return sorted((step for step in steps if step.version not in done), key=lambda m: m.version)
+
+
+def effective_version(installed: Collection[int], shipped: Sequence[Migration]) -> int:
+    """The schema version a store counts as: the highest shipped version with every shipped
+    version up to it installed (so a missing file shows as "behind"); with all of them
+    installed, the highest recorded one (a newer toolguard's, if any). 0: nothing installed."""
+    done = set(installed)
+    if not done:
+        return 0
+    for step in sorted(shipped, key=lambda m: m.version):
+        if step.version not in done:
+            below = [v for v in done if v < step.version]
+            return max(below) if below else 0
+    return max(done)
 
 
 # --- errors --------------------------------------------------------------------------
@@ -572,6 +627,7 @@ class FencePlan:
             args=intent.args if intent else None,
             detail=detail, duration_ms=self.elapsed_ms(),
             node_attempt=intent.node_attempt if intent else None,
+            policy_version=intent.policy_version if intent else None,
         )
 
     def failure_entry(self, error: BaseException) -> tuple[AuditEntry, IntentStatus | None]:
@@ -925,7 +981,8 @@ def finite_ms(value: Any) -> float | None:
 
 @runtime_checkable
 class GuardedStore(Protocol):
-    """The sync guarded store: fences, exactly-once intents, an append-only audit log."""
+    """The sync guarded store: fences, exactly-once intents, an append-only audit log whose
+    rows are hashed and sealed into a chain (``seal_audit``, ``verify_audit``, ``export_audit``)."""
 
     dialect: str
 
@@ -949,6 +1006,14 @@ class GuardedStore(Protocol):
     def high_waters(self, keys: Iterable[str]) -> dict[str, int]: ...
 
     def query_audit(self, **filters: Any) -> list[AuditEntry]: ...
+
+    def seal_audit(self, *, max_rows: int = ..., wait_s: float = ...) -> SealResult: ...
+
+    def verify_audit(self, *, anchor: str | Sequence[str] | None = None,
+                     exports: Sequence[str | os.PathLike[str]] = ()) -> AuditVerification: ...
+
+    def export_audit(self, path: str | os.PathLike[str], *, before: datetime | None = None,
+                     through_seq: int | None = None, drop: bool = False) -> ExportResult: ...
 
     def connection(self) -> AbstractContextManager[Any]: ...
 
@@ -983,6 +1048,16 @@ class AsyncGuardedStore(Protocol):
     async def high_waters(self, keys: Iterable[str]) -> dict[str, int]: ...
 
     async def query_audit(self, **filters: Any) -> list[AuditEntry]: ...
+
+    async def seal_audit(self, *, max_rows: int = ..., wait_s: float = ...) -> SealResult: ...
+
+    async def verify_audit(self, *, anchor: str | Sequence[str] | None = None,
+                           exports: Sequence[str | os.PathLike[str]] = ()
+                           ) -> AuditVerification: ...
+
+    async def export_audit(self, path: str | os.PathLike[str], *,
+                           before: datetime | None = None, through_seq: int | None = None,
+                           drop: bool = False) -> ExportResult: ...
 
     def connection(self) -> AbstractAsyncContextManager[Any]: ...
 

@@ -10,7 +10,10 @@ binding (``ClientCursor``: the values are still passed as parameters and
 quoted by psycopg, never formatted into the SQL by hand), which costs less
 client CPU than pipeline mode for the same single round trip. A failed write
 sends its ``ROLLBACK`` together with the audit row (written after the
-rollback, in a transaction of its own) the same way.
+rollback, in a transaction of its own) the same way. Each audit row's hash is
+set by a trigger in the same ``INSERT`` (schema version 5): no round trip, and
+no lock shared between writers; sealing the log (``seal_audit``) happens apart
+from the calls (``toolguard.store.sealing``).
 
 Connections are autocommit; a fenced write opens its own transaction. With
 ``schema=...`` every pooled connection uses that schema alone as its
@@ -29,12 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
 import re
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar, cast
 
 import psycopg
 from psycopg import sql
@@ -64,18 +69,25 @@ from toolguard.store.base import (
     Migration,
     Replay,
     afenced_flow,
+    effective_version,
     error_from_sqlstate,
     fenced_flow,
     finite_ms,
     migrations,
+    pending_migrations,
     schema_missing,
 )
+from toolguard.store.chain import AuditVerification, ExportResult, SealResult
+from toolguard.store.sealing import MAX_SEAL_ROWS, check_anchors, pg_export, pg_seal, pg_verify
 
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
 log = logging.getLogger("toolguard.store")
 
-DIALECT = "postgresql"
+P = ParamSpec("P")
+T = TypeVar("T")
+
+DIALECT: Final = "postgresql"
 
 INSTALL_LOCK = "SELECT pg_advisory_xact_lock(hashtext('toolguard.install'))"
 VERSION_TABLE = """
@@ -84,7 +96,7 @@ CREATE TABLE IF NOT EXISTS toolguard_schema_version (
     installed_at timestamptz NOT NULL DEFAULT now())"""
 RECORD_VERSION = ("INSERT INTO toolguard_schema_version (version, name) VALUES (%s, %s) "
                   "ON CONFLICT (version) DO NOTHING")
-INSTALLED = "SELECT coalesce(max(version), 0) FROM toolguard_schema_version"
+INSTALLED = "SELECT version FROM toolguard_schema_version"
 HAS_VERSION_TABLE = "SELECT to_regclass('toolguard_schema_version') IS NOT NULL"
 
 BEGIN_INTENT = ("SELECT outcome, previous_status, attempts, result FROM toolguard_begin_intent("
@@ -96,7 +108,7 @@ ENTER_TX = "BEGIN; " + ENTER
 #: ``json``, not ``jsonb``: the result's text is kept exactly (NUL, key order, 1e16...).
 APPLY = "SELECT toolguard_record(%s::text, %s::json, %s::jsonb)"
 _AUDIT_VALUES = ("%s, %s, %s, %s, %s, %s, %s, %s::text[], %s::jsonb, %s::jsonb, %s, "
-                 "%s::double precision, %s::integer")
+                 "%s::double precision, %s::integer, %s::text")
 _AUDIT_INTO = f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) VALUES ({_AUDIT_VALUES})"
 AUDIT_INSERT = f"{_AUDIT_INTO} RETURNING id, at"
 #: One message (client-side binding): record the result, write the audit row, commit.
@@ -463,24 +475,22 @@ class PostgresStore(_PgBase):
             if create is not None:
                 conn.execute(create)
             conn.execute(VERSION_TABLE)
-            row = conn.execute(INSTALLED).fetchone()
-            installed = int(row[0]) if row else 0
-            for step in steps:
-                if step.version > installed:
-                    log.info("installing toolguard schema %s", step.name)
-                    conn.execute(cast(Any, step.sql))
-                    conn.execute(RECORD_VERSION, (step.version, step.name))
-            row = conn.execute(INSTALLED).fetchone()
-            return int(row[0]) if row else 0
+            installed = {int(v) for (v,) in conn.execute(INSTALLED).fetchall()}
+            for step in pending_migrations(steps, installed):
+                log.info("installing toolguard schema %s", step.name)
+                conn.execute(cast(Any, step.sql))
+                conn.execute(RECORD_VERSION, (step.version, step.name))
+            installed = {int(v) for (v,) in conn.execute(INSTALLED).fetchall()}
+            return effective_version(installed, migrations(DIALECT))
 
     def schema_version(self) -> int:
-        """The installed schema version (0: not installed)."""
+        """The installed schema version (0: not installed; see ``effective_version``)."""
         with self.connection() as conn:
             row = conn.execute(HAS_VERSION_TABLE).fetchone()
             if not row or not row[0]:
                 return 0
-            row = conn.execute(INSTALLED).fetchone()
-            return int(row[0]) if row else 0
+            installed = {int(v) for (v,) in conn.execute(INSTALLED).fetchall()}
+            return effective_version(installed, migrations(DIALECT))
 
     def begin_intent(self, record: IntentRecord) -> Begun | Replay:
         """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
@@ -553,6 +563,34 @@ class PostgresStore(_PgBase):
         with self.connection() as conn:
             rows = conn.execute(cast(Any, AUDIT_QUERY + where + tail), [*params, *more]).fetchall()
         return [_entry(row) for row in rows]
+
+    def seal_audit(self, *, max_rows: int = MAX_SEAL_ROWS, wait_s: float = 5.0) -> SealResult:
+        """Seal the audit rows that can no longer be joined by a late commit (``toolguard audit
+        seal``): every id below the highest committed one, once the transactions that were
+        writing the log meanwhile have ended (``wait_s`` at most; see ``toolguard.store.sealing``).
+        Concurrent sealers queue on an advisory lock; writers never wait for a sealer.
+        """
+        with self.connection() as conn:
+            return pg_seal(conn, max_rows=max_rows, wait_s=wait_s)
+
+    def verify_audit(self, *, anchor: str | Sequence[str] | None = None,
+                     exports: Sequence[str | os.PathLike[str]] = ()) -> AuditVerification:
+        """Check every audit row and seal in one snapshot (``toolguard audit verify``).
+
+        ``anchor``: seal hashes kept outside the database (a rewrite of the whole chain
+        is caught only by them); ``exports``: export files of dropped ranges.
+        """
+        anchors = check_anchors(anchor)
+        with self.connection() as conn:
+            return pg_verify(conn, anchors=anchors, exports=exports)
+
+    def export_audit(self, path: str | os.PathLike[str], *, before: datetime | None = None,
+                     through_seq: int | None = None, drop: bool = False) -> ExportResult:
+        """Export whole sealed ranges older than ``before`` (or through seal ``through_seq``) to
+        ``path``; ``drop=True`` then deletes them (``toolguard_audit_drop_exported``: needs the
+        tables' owner), keeping the rest verifiable."""
+        with self.connection() as conn:
+            return pg_export(conn, path, before=before, through_seq=through_seq, drop=drop)
 
     def close(self) -> None:
         self._pool.close()
@@ -729,24 +767,22 @@ class AsyncPostgresStore(_PgBase):
             if create is not None:
                 await conn.execute(create)
             await conn.execute(VERSION_TABLE)
-            row = await (await conn.execute(INSTALLED)).fetchone()
-            installed = int(row[0]) if row else 0
-            for step in steps:
-                if step.version > installed:
-                    log.info("installing toolguard schema %s", step.name)
-                    await conn.execute(cast(Any, step.sql))
-                    await conn.execute(RECORD_VERSION, (step.version, step.name))
-            row = await (await conn.execute(INSTALLED)).fetchone()
-            return int(row[0]) if row else 0
+            rows = await (await conn.execute(INSTALLED)).fetchall()
+            for step in pending_migrations(steps, {int(v) for (v,) in rows}):
+                log.info("installing toolguard schema %s", step.name)
+                await conn.execute(cast(Any, step.sql))
+                await conn.execute(RECORD_VERSION, (step.version, step.name))
+            rows = await (await conn.execute(INSTALLED)).fetchall()
+            return effective_version({int(v) for (v,) in rows}, migrations(DIALECT))
 
     async def schema_version(self) -> int:
-        """The installed schema version (0: not installed)."""
+        """The installed schema version (0: not installed; see ``effective_version``)."""
         async with self.connection() as conn:
             row = await (await conn.execute(HAS_VERSION_TABLE)).fetchone()
             if not row or not row[0]:
                 return 0
-            row = await (await conn.execute(INSTALLED)).fetchone()
-            return int(row[0]) if row else 0
+            rows = await (await conn.execute(INSTALLED)).fetchall()
+            return effective_version({int(v) for (v,) in rows}, migrations(DIALECT))
 
     async def begin_intent(self, record: IntentRecord) -> Begun | Replay:
         """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
@@ -812,6 +848,44 @@ class AsyncPostgresStore(_PgBase):
             cursor = await conn.execute(cast(Any, AUDIT_QUERY + where + tail), [*params, *more])
             rows = await cursor.fetchall()
         return [_entry(row) for row in rows]
+
+    async def seal_audit(self, *, max_rows: int = MAX_SEAL_ROWS,
+                         wait_s: float = 5.0) -> SealResult:
+        """Seal the audit rows that can be sealed (see ``PostgresStore.seal_audit``); a batch
+        job, run in a worker thread on a connection of its own."""
+        return await self._batch(pg_seal, max_rows=max_rows, wait_s=wait_s)
+
+    async def verify_audit(self, *, anchor: str | Sequence[str] | None = None,
+                           exports: Sequence[str | os.PathLike[str]] = ()
+                           ) -> AuditVerification:
+        """Check every audit row and seal (see ``PostgresStore.verify_audit``)."""
+        return await self._batch(pg_verify, anchors=check_anchors(anchor), exports=exports)
+
+    async def export_audit(self, path: str | os.PathLike[str], *,
+                           before: datetime | None = None, through_seq: int | None = None,
+                           drop: bool = False) -> ExportResult:
+        """Export (and with ``drop=True`` drop) old sealed ranges (see
+        ``PostgresStore.export_audit``)."""
+        return await self._batch(pg_export, path, before=before, through_seq=through_seq,
+                                 drop=drop)
+
+    async def _batch(self, job: Callable[Concatenate[psycopg.Connection[Any], P], T],
+                     *args: P.args, **kwargs: P.kwargs) -> T:
+        await self._ready()
+        run: Callable[[], T] = functools.partial(self._run_batch, job, *args, **kwargs)
+        return await asyncio.to_thread(run)
+
+    def _run_batch(self, job: Callable[Concatenate[psycopg.Connection[Any], P], T],
+                   *args: P.args, **kwargs: P.kwargs) -> T:
+        """``job(conn, ...)`` on a sync connection of its own (the pool is the event loop's)."""
+        try:
+            with psycopg.connect(self.url, autocommit=True, connect_timeout=10) as conn:
+                statement = self._set_path()
+                if statement is not None:
+                    conn.execute(statement)
+                return job(conn, *args, **kwargs)
+        except psycopg.Error as error:
+            raise translate(error) from error
 
     async def close(self) -> None:
         await self._pool.close()

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, TypeVar
 
 from toolguard.errors import (
     AuditAppendOnly,
@@ -68,11 +68,27 @@ from toolguard.store.base import (
     Replay,
     afenced_flow,
     dump_json,
+    effective_version,
     fenced_flow,
     finite_ms,
     migrations,
+    pending_migrations,
     qmark,
     schema_missing,
+)
+from toolguard.store.chain import (
+    CANONICAL_FIELDS,
+    AuditVerification,
+    ExportResult,
+    SealResult,
+    sqlite_row_hash,
+)
+from toolguard.store.sealing import (
+    MAX_SEAL_ROWS,
+    check_anchors,
+    sqlite_export,
+    sqlite_seal,
+    sqlite_verify,
 )
 
 __all__ = ["AsyncSqliteStore", "SqliteStore"]
@@ -82,14 +98,15 @@ log = logging.getLogger("toolguard.store")
 P = ParamSpec("P")
 T = TypeVar("T")
 
-DIALECT = "sqlite"
+DIALECT: Final = "sqlite"
 NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
+ROW_HASH_FUNCTION = "toolguard_audit_row_hash"
 
 VERSION_TABLE = f"""
 CREATE TABLE IF NOT EXISTS toolguard_schema_version (
     version INTEGER PRIMARY KEY, name TEXT NOT NULL,
     installed_at TEXT NOT NULL DEFAULT ({NOW}))"""
-INSTALLED = "SELECT coalesce(max(version), 0) FROM toolguard_schema_version"
+INSTALLED = "SELECT version FROM toolguard_schema_version"
 FENCE = (f"INSERT INTO toolguard_high_water (key, token) VALUES (?, ?) ON CONFLICT (key) "
          f"DO UPDATE SET token = excluded.token, updated_at = {NOW} "
          f"WHERE toolguard_high_water.token <= excluded.token RETURNING token")
@@ -114,8 +131,18 @@ FAIL_INTENT = (
     f"last_error = excluded.last_error, updated_at = {NOW}, "
     f"attempts = i.attempts + (i.status <> 'pending') "
     f"WHERE i.status <> 'applied' AND i.tool = excluded.tool AND i.args_hash = excluded.args_hash")
-AUDIT_INSERT = (f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) "
-                f"VALUES ({', '.join('?' * len(AUDIT_COLUMNS))}) RETURNING id, at")
+#: The row's id and time are chosen in the statement (the next AUTOINCREMENT id, SQLite's
+#: clock), so that its hash can cover them: ``toolguard_audit_row_hash`` (registered on every
+#: connection, ``chain.sqlite_row_hash``) hashes the values as the columns will keep them.
+#: Writers hold the database's write lock, so the id cannot be taken by anyone else meanwhile.
+_NEXT_ID = ("max(coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'toolguard_audit'), 0), "
+            "coalesce((SELECT max(id) FROM toolguard_audit), 0)) + 1")
+_AUDIT_ROW = ", ".join(f"v.{c}" for c in ("id", "at", *AUDIT_COLUMNS))
+AUDIT_INSERT = (
+    f"INSERT INTO toolguard_audit (id, at, {', '.join(AUDIT_COLUMNS)}, row_hash) "
+    f"SELECT {_AUDIT_ROW}, {ROW_HASH_FUNCTION}({_AUDIT_ROW}) "
+    f"FROM (SELECT {_NEXT_ID} AS id, {NOW} AS at, "
+    f"{', '.join(f'? AS {c}' for c in AUDIT_COLUMNS)}) AS v RETURNING id, at")
 MARK_UNKNOWN = (f"UPDATE toolguard_intent SET status = 'unknown', updated_at = {NOW} "
                 f"WHERE idempotency_key = ? AND status <> 'applied'")
 MARK_UNKNOWN_UPSERT = (
@@ -128,7 +155,7 @@ HAS_APPLIED = ("SELECT EXISTS (SELECT 1 FROM toolguard_intent WHERE status = 'ap
                "AND (? IS NULL OR workflow = ?))")
 AUDIT_QUERY = f"SELECT {', '.join(AUDIT_SELECT)} FROM toolguard_audit"
 
-_APPEND_ONLY = "toolguard_audit is append-only"
+_APPEND_ONLY = " is append-only: "  # toolguard_audit, toolguard_audit_seal, ..._retention
 
 
 def translate(error: BaseException) -> BaseException:
@@ -136,7 +163,7 @@ def translate(error: BaseException) -> BaseException:
     if not isinstance(error, sqlite3.Error):
         return error
     text = str(error)
-    if _APPEND_ONLY in text:
+    if _APPEND_ONLY in text and text.startswith("toolguard_audit"):
         return AuditAppendOnly(text)
     if isinstance(error, sqlite3.OperationalError):
         if "no such table: toolguard_" in text:
@@ -197,6 +224,8 @@ class _Connections:
             self._wal(conn)
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
             conn.execute("PRAGMA foreign_keys=ON")
+            conn.create_function(ROW_HASH_FUNCTION, len(CANONICAL_FIELDS), sqlite_row_hash,
+                                 deterministic=True)
         except sqlite3.Error as error:
             if conn is not None:
                 conn.close()
@@ -388,24 +417,25 @@ class SqliteStore:
         steps = tuple(steps) if steps is not None else migrations(DIALECT)
         with self._immediate() as conn:
             conn.execute(VERSION_TABLE)
-            installed = int(conn.execute(INSTALLED).fetchone()[0])
-            for step in steps:
-                if step.version > installed:
-                    log.info("installing toolguard schema %s (sqlite)", step.name)
-                    for statement in _statements(step.sql):
-                        conn.execute(statement)
-                    conn.execute("INSERT OR IGNORE INTO toolguard_schema_version (version, name) "
-                                 "VALUES (?, ?)", (step.version, step.name))
-            return int(conn.execute(INSTALLED).fetchone()[0])
+            installed = {int(v) for (v,) in conn.execute(INSTALLED).fetchall()}
+            for step in pending_migrations(steps, installed):
+                log.info("installing toolguard schema %s (sqlite)", step.name)
+                for statement in _statements(step.sql):
+                    conn.execute(statement)
+                conn.execute("INSERT OR IGNORE INTO toolguard_schema_version (version, name) "
+                             "VALUES (?, ?)", (step.version, step.name))
+            installed = {int(v) for (v,) in conn.execute(INSTALLED).fetchall()}
+            return effective_version(installed, migrations(DIALECT))
 
     def schema_version(self) -> int:
-        """The installed schema version (0: not installed)."""
+        """The installed schema version (0: not installed; see ``effective_version``)."""
         with self.connection() as conn:
             present = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
                                    "AND name = 'toolguard_schema_version'").fetchone()
             if present is None:
                 return 0
-            return int(conn.execute(INSTALLED).fetchone()[0])
+            installed = {int(v) for (v,) in conn.execute(INSTALLED).fetchall()}
+            return effective_version(installed, migrations(DIALECT))
 
     def begin_intent(self, record: IntentRecord) -> Begun | Replay:
         """Reserve ``record.idempotency_key``: ``Begun`` (run it) or ``Replay`` (don't)."""
@@ -511,6 +541,34 @@ class SqliteStore:
         with self.connection() as conn:
             rows = conn.execute(qmark(AUDIT_QUERY + where + tail), [*params, *more]).fetchall()
         return [_entry(row) for row in rows]
+
+    def seal_audit(self, *, max_rows: int = MAX_SEAL_ROWS, wait_s: float = 5.0) -> SealResult:
+        """Seal every audit row not sealed yet into the chain (``toolguard audit seal``).
+
+        Writers are serialized by the write lock, so every committed row can be
+        sealed (``wait_s`` only matters on PostgreSQL); one seal of at most
+        ``max_rows`` rows per write transaction, so writers wait briefly.
+        """
+        with self.connection() as conn:
+            return sqlite_seal(conn, max_rows=max_rows)
+
+    def verify_audit(self, *, anchor: str | Sequence[str] | None = None,
+                     exports: Sequence[str | os.PathLike[str]] = ()) -> AuditVerification:
+        """Check every audit row and seal (``toolguard audit verify``): see ``AuditVerification``.
+
+        ``anchor``: seal hashes kept outside the store (a rewrite of the whole chain
+        is caught only by them); ``exports``: export files of dropped ranges.
+        """
+        anchors = check_anchors(anchor)
+        with self.connection() as conn:
+            return sqlite_verify(conn, anchors=anchors, exports=exports)
+
+    def export_audit(self, path: str | os.PathLike[str], *, before: datetime | None = None,
+                     through_seq: int | None = None, drop: bool = False) -> ExportResult:
+        """Export whole sealed ranges older than ``before`` (or through seal ``through_seq``) to
+        ``path``; ``drop=True`` then deletes them from the store, keeping the rest verifiable."""
+        with self.connection() as conn:
+            return sqlite_export(conn, path, before=before, through_seq=through_seq, drop=drop)
 
     def close(self) -> None:
         self._connections.close()
@@ -728,6 +786,27 @@ class AsyncSqliteStore:
     async def query_audit(self, **filters: Any) -> list[AuditEntry]:
         """Audit rows matching ``filters`` (see ``AuditQuery``), newest first by default."""
         return await self._call(functools.partial(self.sync.query_audit, **filters))
+
+    async def seal_audit(self, *, max_rows: int = MAX_SEAL_ROWS,
+                         wait_s: float = 5.0) -> SealResult:
+        """Seal the audit rows not sealed yet (see ``SqliteStore.seal_audit``)."""
+        return await self._call(functools.partial(self.sync.seal_audit, max_rows=max_rows,
+                                                  wait_s=wait_s))
+
+    async def verify_audit(self, *, anchor: str | Sequence[str] | None = None,
+                           exports: Sequence[str | os.PathLike[str]] = ()
+                           ) -> AuditVerification:
+        """Check every audit row and seal (see ``SqliteStore.verify_audit``)."""
+        return await self._call(functools.partial(self.sync.verify_audit, anchor=anchor,
+                                                  exports=exports))
+
+    async def export_audit(self, path: str | os.PathLike[str], *,
+                           before: datetime | None = None, through_seq: int | None = None,
+                           drop: bool = False) -> ExportResult:
+        """Export (and with ``drop=True`` drop) old sealed ranges (see
+        ``SqliteStore.export_audit``)."""
+        return await self._call(functools.partial(self.sync.export_audit, path, before=before,
+                                                  through_seq=through_seq, drop=drop))
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[sqlite3.Connection]:
