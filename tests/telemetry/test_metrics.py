@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -307,3 +308,37 @@ def test_a_lease_lost_mid_tool_is_counted_and_shown_on_the_transaction(
     (call,) = otel.calls()
     assert call.attributes["toolguard.reason"] == "lease_lost"
     assert h.decisions("lost") == [("rejected", "lease_lost")]
+
+
+def test_a_regressed_lock_server_is_one_call_with_two_attempts_and_a_reseeded_stale_count(
+        harness: HarnessFactory, otel: Recorder) -> None:
+    """The store holds a token from a clock an hour ahead: the first grant is below it, the
+    store refuses it (audited), toolguard re-seeds the lock server and the retry is applied.
+    One call, one decision; the refusal is counted as a stale token with ``reseeded``."""
+    h = harness(POLICY)
+    future = int(time.time() * 1_000_000) + 3_600 * 1_000_000
+    with h.store.fenced({"lead:r": future}):
+        pass
+
+    @guarded(h.guard, agent="scorer")
+    def add_score(lead_id: str, delta: int) -> int:
+        effect("add_score", lead_id)
+        return delta
+
+    decision = add_score.run({"lead_id": "r", "delta": 1}, call_id="r1", thread_id="w")
+
+    assert decision.kind == "accepted" and decision.tokens["lead:r"] > future
+    assert h.decisions("r1") == [("rejected", "stale_fencing_token"), ("accepted", "applied")]
+    assert otel.counts("toolguard.decisions", "toolguard.decision") == {("accepted",): 1}
+    assert otel.counts("toolguard.fencing.stale_tokens", "toolguard.reseeded") == {(True,): 1}
+    (call,) = otel.calls()
+    # the first transaction is refused at its fence check, before the tool runs
+    assert otel.tree(call) == [(0, "execute_tool add_score"), (1, "toolguard.validate"),
+                               (1, "toolguard.lock.wait"), (1, "toolguard.fenced_transaction"),
+                               (1, "toolguard.lock.wait"), (1, "toolguard.fenced_transaction"),
+                               (2, "toolguard.tool")]
+    first, second = otel.spans("toolguard.fenced_transaction")
+    assert (first.attributes["toolguard.attempt"], second.attributes["toolguard.attempt"]) == (1, 2)
+    assert first.attributes["error.type"] == "stale_fencing_token"
+    assert "error.type" not in second.attributes
+    assert list(call.attributes["toolguard.fencing_tokens"]) == [decision.tokens["lead:r"]]
