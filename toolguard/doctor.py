@@ -15,21 +15,30 @@ The checklist:
    restart means for held locks and tokens;
 5. clock sanity: the lock server's and the store's clocks against this host;
 6. the store's schema at this toolguard's version;
-7. TTL against the renewal interval and the measured round trip;
-8. fences: for every fenced key in the store (the most recent ``sample``), the
-   next token the lock server can grant is above the store's high-water mark.
+7. a PostgreSQL lock backend's schema (``toolguard_lock_*``) at this toolguard's version;
+8. TTL against the renewal interval and the measured round trip;
+9. fences: for every fenced key in the store (the most recent ``sample``), the
+   next token the lock server can grant is above the store's high-water mark;
+10. a PostgreSQL store: its role may end a paused holder's transaction (the
+    next holder does, with ``pg_terminate_backend``; without the permission it
+    waits, fail safe).
+
+Redis Cluster (``redis+cluster://``) is probed on every primary: its
+configuration, persistence and clock are reported per node. Sentinel
+(``redis+sentinel://``) is probed on the primary the sentinels name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import sqlite3
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -83,20 +92,59 @@ def exit_code(checks: Sequence[Check], *, strict: bool = False) -> int:
 # --- probes: one small read-only client per lock backend ------------------------------------
 
 
+#: One Redis node's configuration (name -> value), or why it could not be read.
+NodeConfig = dict[str, str] | str
+
+
 @dataclass
 class _LockProbe:
     """What doctor needs from a lock server, without taking a lock or creating anything."""
 
-    kind: str  # redis | sqlite | postgres | etcd
+    kind: str  # redis | sqlite | postgres | etcd (Redis Cluster and Sentinel are "redis")
     url: str
-    ping: Callable[[], None]
+    ping: Callable[[], object]
     server_time_us: Callable[[], int | None]  # None: no clock to compare (same host, etcd)
     current_token: Callable[[str], int | None]  # None: not comparable
-    config: Callable[[], dict[str, str]] = lambda: {}
+    #: Redis: each node's configuration (one node, or every primary of a cluster).
+    config: Callable[[], dict[str, NodeConfig]] = dict
     close: Callable[[], None] = lambda: None
     hybrid: bool = True  # tokens are max(last + 1, server time in us)
     same_host: bool = False  # its clock is this host's: nothing to compare
     location: str = ""
+    #: What the summaries call it: the kind, or redis-cluster / redis-sentinel.
+    label: str = ""
+    #: Clocks to compare with this host's, by label; default: ``server_time_us``.
+    clocks: list[tuple[str, Callable[[], int | None]]] = field(default_factory=list)
+    #: PostgreSQL: the lock schema version installed (0: none).
+    lock_schema_version: Callable[[], int] | None = None
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.kind
+        if not self.clocks:
+            self.clocks = [(f"lock server ({self.label})", self.server_time_us)]
+
+
+_REDIS_SETTINGS = ("maxmemory-policy", "maxmemory", "appendonly", "appendfsync", "save")
+
+
+def _redis_config(config_get: Callable[[str], Any], info: Callable[[str], Any]) -> NodeConfig:
+    """One node's settings doctor looks at (``CONFIG GET`` and ``INFO replication``), or why
+    they could not be read (managed Redis often disables CONFIG)."""
+    out: dict[str, str] = {}
+    try:
+        for name in _REDIS_SETTINGS:
+            out.update({str(k): str(v) for k, v in config_get(name).items()})
+        replication = info("replication")
+    except Exception as error:
+        return _reason(error)
+    out["role"] = str(replication.get("role", ""))
+    out["connected_slaves"] = str(replication.get("connected_slaves", 0))
+    return out
+
+
+def _time_us(reply: Any) -> int:
+    seconds, micros = reply
+    return int(seconds) * 1_000_000 + int(micros)
 
 
 def _probe_redis(url: str, timeout: float, prefix: str) -> _LockProbe:
@@ -107,25 +155,65 @@ def _probe_redis(url: str, timeout: float, prefix: str) -> _LockProbe:
 
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     backend = RedisBackend(client, prefix=prefix)
+    location = (f"{client.connection_pool.connection_kwargs.get('host', '?')}:"
+                f"{client.connection_pool.connection_kwargs.get('port', '?')}")
 
-    def server_time_us() -> int:
-        seconds, micros = client.time()
-        return int(seconds) * 1_000_000 + int(micros)
+    def config() -> dict[str, NodeConfig]:
+        return {location: _redis_config(client.config_get, client.info)}
 
-    def config() -> dict[str, str]:
-        out: dict[str, str] = {}
-        for name in ("maxmemory-policy", "maxmemory", "appendonly", "appendfsync", "save"):
-            values = client.config_get(name)
-            out.update({str(k): str(v) for k, v in values.items()})
-        info = client.info("replication")
-        out["role"] = str(info.get("role", ""))
-        out["connected_slaves"] = str(info.get("connected_slaves", 0))
-        return out
+    return _LockProbe("redis", url, lambda: bool(client.ping()), lambda: _time_us(client.time()),
+                      backend.current_token, config, client.close, location=location)
 
-    return _LockProbe("redis", url, lambda: bool(client.ping()), server_time_us,
-                      backend.current_token, config, client.close,
-                      location=f"{client.connection_pool.connection_kwargs.get('host', '?')}:"
-                               f"{client.connection_pool.connection_kwargs.get('port', '?')}")
+
+def _node_clock(cluster: Any, node: Any) -> Callable[[], int | None]:
+    """One cluster node's clock, in microseconds."""
+    return lambda: _time_us(cluster.time(target_nodes=node))
+
+
+def _probe_redis_ha(url: str, timeout: float, prefix: str) -> _LockProbe:
+    """Redis Cluster: every primary (CONFIG and INFO go to each, the clock of each is read).
+    Sentinel: the primary the sentinels name, probed like one Redis."""
+    require("redis", "the Redis Cluster/Sentinel lock backend")
+    from toolguard.locks import redis_ha
+
+    parsed = redis_ha.parse_redis_ha_url(url)  # a malformed URL is a usage error (exit 2)
+    timeouts = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    parsed = replace(parsed, options={**timeouts, **parsed.options})
+    if parsed.scheme in redis_ha.CLUSTER_SCHEMES:
+        # reads the slot map: an unreachable cluster fails here
+        cluster: Any = redis_ha.cluster_client(parsed)
+        backend: Any = redis_ha.RedisClusterBackend(cluster, prefix=prefix)
+        primaries = cluster.get_primaries()
+
+        def cluster_config() -> dict[str, NodeConfig]:
+            return {node.name: _redis_config(functools.partial(cluster.config_get, target_nodes=node),
+                                             functools.partial(cluster.info, target_nodes=node))
+                    for node in cluster.get_primaries()}
+
+        clocks = [(f"lock server (redis-cluster {node.name})", _node_clock(cluster, node))
+                  for node in primaries]
+
+        def earliest_us() -> int:  # the fence check assumes the slowest clock: never too hopeful
+            return min(int(read() or 0) for _, read in clocks)
+
+        return _LockProbe(
+            "redis", url, lambda: bool(cluster.ping(target_nodes=cluster.get_primaries())),
+            earliest_us, backend.current_token, cluster_config, cluster.close,
+            location=f"{len(primaries)} primar{'y' if len(primaries) == 1 else 'ies'} "
+                     f"({', '.join(node.name for node in primaries)})",
+            label="redis-cluster", clocks=clocks)
+    client: Any = redis_ha.sentinel_client(parsed)
+    backend = redis_ha.RedisSentinelBackend(client, prefix=prefix)
+    host, port = client.connection_pool.get_master_address()  # asks the sentinels
+    primary = f"{host}:{port}"
+
+    def sentinel_config() -> dict[str, NodeConfig]:
+        return {primary: _redis_config(client.config_get, client.info)}
+
+    return _LockProbe("redis", url, lambda: bool(client.ping()), lambda: _time_us(client.time()),
+                      backend.current_token, sentinel_config, client.close,
+                      location=f"{primary}, the primary of {parsed.service!r} by its sentinels",
+                      label="redis-sentinel")
 
 
 def _probe_sqlite(url: str) -> _LockProbe:
@@ -168,11 +256,15 @@ def _creatable(folder: Path) -> bool:
     return False
 
 
-def _probe_postgres(url: str, timeout: float) -> _LockProbe:
+def _probe_postgres(url: str, timeout: float, schema: str | None = None) -> _LockProbe:
     from toolguard.store.cli import classify_postgres_error
 
     require("postgres", "the PostgreSQL lock backend")
     import psycopg
+
+    from toolguard.locks.postgres import _installed_version, _Statements, check_schema_name
+
+    statements = _Statements(check_schema_name(schema))
 
     state: dict[str, Any] = {}
 
@@ -191,10 +283,11 @@ def _probe_postgres(url: str, timeout: float) -> _LockProbe:
         return int(row[0])
 
     def current_token(key: str) -> int:
-        present = conn().execute("SELECT to_regclass('toolguard_lock_fence') IS NOT NULL").fetchone()
+        table = f"{statements.prefix}toolguard_lock_fence"
+        present = conn().execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
         if not present or not present[0]:
             return 0
-        row = conn().execute("SELECT token FROM toolguard_lock_fence WHERE key = %s", (key,)).fetchone()
+        row = conn().execute(statements.current_token, (key,)).fetchone()
         return int(row[0]) if row else 0
 
     def close() -> None:
@@ -204,7 +297,8 @@ def _probe_postgres(url: str, timeout: float) -> _LockProbe:
 
     return _LockProbe("postgres", url, lambda: conn().execute("SELECT 1").fetchone() and None,
                       server_time_us, current_token, close=close,
-                      location=_host_of(url))
+                      location=_host_of(url),
+                      lock_schema_version=lambda: _installed_version(conn(), statements))
 
 
 def _probe_etcd(url: str, timeout: float) -> _LockProbe:
@@ -222,14 +316,22 @@ def _host_of(url: str) -> str:
     return f"{parsed.hostname or 'localhost'}:{parsed.port or ''}".rstrip(":")
 
 
-def _lock_probe(url: str, timeout: float, redis_prefix: str) -> _LockProbe:
+def _lock_probe(url: str, timeout: float, redis_prefix: str,
+                lock_schema: str | None = None) -> _LockProbe:
+    from toolguard.locks import REDIS_HA_SCHEMES
+
     scheme = urlparse(url).scheme
+    if lock_schema is not None and scheme not in ("postgresql", "postgres"):
+        msg = f"a lock schema only applies to a PostgreSQL lock backend, not {scheme}://"
+        raise ConfigurationError(msg)
     if scheme in ("redis", "rediss", "unix"):
         return _probe_redis(url, timeout, redis_prefix)
+    if scheme in REDIS_HA_SCHEMES:
+        return _probe_redis_ha(url, timeout, redis_prefix)
     if scheme == "sqlite":
         return _probe_sqlite(url)
     if scheme in ("postgresql", "postgres"):
-        return _probe_postgres(url, timeout)
+        return _probe_postgres(url, timeout, lock_schema)
     if scheme == "etcd":
         return _probe_etcd(url, timeout)
     msg = f"unknown lock backend URL scheme {scheme!r} in {url!r}"
@@ -313,11 +415,13 @@ def run_checks(
     sample: int = 1000,
     reseed: bool = False,
     redis_prefix: str = "tg",
+    lock_schema: str | None = None,
 ) -> list[Check]:
     """Run the checklist; URLs default to the settings (``TOOLGUARD_*``, else embedded SQLite).
 
     ``ttl_ms`` lists the TTLs in use (e.g. every tool's of a policy); default the
-    settings' ``ttl_ms``.
+    settings' ``ttl_ms``. ``lock_schema``: the PostgreSQL lock backend's
+    ``schema=`` (default: the search_path).
     """
     from toolguard.config import Settings
 
@@ -331,15 +435,15 @@ def run_checks(
     probe: _LockProbe | None = None
     rtts: list[float] = []
     try:
-        probe = _lock_probe(lock_url, timeout_s, redis_prefix)
+        probe = _lock_probe(lock_url, timeout_s, redis_prefix, lock_schema)
         probe.ping()
         rtts = _round_trips(probe.ping)
         checks.append(Check(
             "lock_server", "Lock server reachable", "pass",
-            f"{probe.kind} at {probe.location or _redact(lock_url)} answered; round trip "
+            f"{probe.label} at {probe.location or _redact(lock_url)} answered; round trip "
             f"{statistics.median(rtts):.2f} ms (max {max(rtts):.2f} ms of {len(rtts)})",
             "every guarded call takes its locks there: without it nothing runs", data={
-                "kind": probe.kind, "url": _redact(lock_url), "rtt_ms": rtts}))
+                "kind": probe.label, "url": _redact(lock_url), "rtt_ms": rtts}))
     except ConfigurationError:
         raise
     except Exception as error:
@@ -375,19 +479,20 @@ def run_checks(
         store = None
 
     try:
-        config: dict[str, str] = {}
-        config_error: str | None = None
+        configs: dict[str, NodeConfig] = {}
         if probe is not None and probe.kind == "redis":
             try:
-                config = probe.config()
-            except Exception as error:  # managed Redis often disables CONFIG
-                config_error = _reason(error)
-        checks.append(_eviction(probe, config, config_error))
-        checks.append(_persistence(probe, config, config_error))
+                configs = probe.config()
+            except Exception as error:  # e.g. a node stopped answering after the ping
+                configs = {probe.location: _reason(error)}
+        checks.append(_eviction(probe, configs))
+        checks.append(_persistence(probe, configs))
         checks.append(_clocks(probe, store))
         checks.append(_schema(store, installed))
+        checks.append(_lock_schema(probe, lock_url, lock_schema))
         checks.append(_ttls(probe, rtts, ttls, wait))
         checks.append(_fences(probe, store, installed, lock_url, sample, reseed, redis_prefix))
+        checks.append(_signal(store, installed))
     finally:
         if probe is not None:
             with contextlib.suppress(Exception):
@@ -402,15 +507,21 @@ _EVICTION_WHY = ("an evicted lock key frees a lock its holder still uses: two ag
                  "evicted counter falls back to the clock")
 
 
-def _eviction(probe: _LockProbe | None, config: Mapping[str, str], error: str | None) -> Check:
+def _eviction(probe: _LockProbe | None, configs: Mapping[str, NodeConfig]) -> Check:
     title = "Redis eviction policy"
     if probe is None:
         return Check("redis_eviction", title, "skip", "the lock server did not answer", _EVICTION_WHY)
     if probe.kind != "redis":
         return Check("redis_eviction", title, "skip", f"not Redis ({probe.kind}): nothing is evicted",
                      _EVICTION_WHY)
-    if error is not None:
-        return Check("redis_eviction", title, "warn", f"cannot read the configuration: {error}",
+    return _per_node(configs, _eviction_of)
+
+
+def _eviction_of(config: NodeConfig) -> Check:
+    """The eviction check for one Redis node."""
+    title = "Redis eviction policy"
+    if isinstance(config, str):
+        return Check("redis_eviction", title, "warn", f"cannot read the configuration: {config}",
                      _EVICTION_WHY, fix="check maxmemory-policy with your provider: noeviction")
     policy = config.get("maxmemory-policy", "?")
     maxmemory = int(config.get("maxmemory", "0") or 0)
@@ -435,12 +546,35 @@ def _eviction(probe: _LockProbe | None, config: Mapping[str, str], error: str | 
                  fix="CONFIG SET maxmemory-policy noeviction (and in redis.conf)", data=data)
 
 
+_SEVERITY: Mapping[Status, int] = {"skip": 0, "pass": 1, "warn": 2, "fail": 3}
+
+
+def _per_node(configs: Mapping[str, NodeConfig], judge: Callable[[NodeConfig], Check]) -> Check:
+    """``judge`` on every node: one node's check as it is; for several (a cluster's primaries)
+    the worst status, each node's summary, and each node's data under ``nodes``."""
+    judged = {node: judge(config) for node, config in configs.items()}
+    if len(judged) == 1:
+        return next(iter(judged.values()))
+    if not judged:
+        return replace(judge("no node answered"), status="fail", unreachable=True)
+    worst = max(judged.values(), key=lambda c: _SEVERITY[c.status])
+    alike: dict[str, list[str]] = {}  # nodes with the same finding are named together
+    for node, found in judged.items():
+        alike.setdefault(found.summary, []).append(node)
+    if len(alike) == 1:
+        summary = f"all {len(judged)} nodes: {worst.summary}"
+    else:
+        summary = "; ".join(f"{', '.join(nodes)}: {text}" for text, nodes in alike.items())
+    return replace(worst, summary=summary,
+                   data={"nodes": {node: dict(c.data) for node, c in judged.items()}})
+
+
 _PERSISTENCE_WHY = ("tokens stay safe across a restart (hybrid-clock values, re-seeded from the "
                     "store), but a restart without AOF forgets every held lock: another agent can "
                     "take one its holder still uses until the holder's renewal fails")
 
 
-def _persistence(probe: _LockProbe | None, config: Mapping[str, str], error: str | None) -> Check:
+def _persistence(probe: _LockProbe | None, configs: Mapping[str, NodeConfig]) -> Check:
     title = "Lock server persistence"
     if probe is None:
         return Check("persistence", title, "skip", "the lock server did not answer", _PERSISTENCE_WHY)
@@ -455,8 +589,14 @@ def _persistence(probe: _LockProbe | None, config: Mapping[str, str], error: str
         return Check("persistence", title, "pass",
                      "etcd: a grant is committed to a Raft quorum before it is returned",
                      _PERSISTENCE_WHY)
-    if error is not None:
-        return Check("persistence", title, "warn", f"cannot read the configuration: {error}",
+    return _per_node(configs, _persistence_of)
+
+
+def _persistence_of(config: NodeConfig) -> Check:
+    """The persistence check for one Redis node."""
+    title = "Lock server persistence"
+    if isinstance(config, str):
+        return Check("persistence", title, "warn", f"cannot read the configuration: {config}",
                      _PERSISTENCE_WHY, fix="ask your provider whether AOF (appendonly) is on")
     aof = config.get("appendonly", "no") == "yes"
     fsync = config.get("appendfsync", "?")
@@ -493,7 +633,7 @@ def _clocks(probe: _LockProbe | None, store: Any) -> Check:
     data: dict[str, Any] = {}
     targets: list[tuple[str, Callable[[], int | None]]] = []
     if probe is not None and not probe.same_host:
-        targets.append((f"lock server ({probe.kind})", probe.server_time_us))
+        targets.extend(probe.clocks)
     if store is not None and getattr(store, "dialect", "") == "postgresql":
         def store_time() -> int:
             with store.connection() as conn:
@@ -551,6 +691,46 @@ def _schema(store: Any, installed: int) -> Check:
                      f"version {installed}, newer than this toolguard's {latest}", _SCHEMA_WHY,
                      fix="upgrade toolguard on this host", data=data)
     return Check("schema", title, "pass", f"version {installed} (latest)", _SCHEMA_WHY, data=data)
+
+
+_LOCK_SCHEMA_WHY = ("every acquire, renewal and release of the PostgreSQL lock backend is one of "
+                    "its SQL functions (toolguard_lock_*); the first lock call installs or "
+                    "upgrades them, which needs CREATE on the schema")
+
+
+def _lock_schema(probe: _LockProbe | None, lock_url: str, lock_schema: str | None) -> Check:
+    title = "Lock schema version (PostgreSQL locks)"
+    if probe is None:
+        return Check("lock_schema", title, "skip", "the lock server did not answer",
+                     _LOCK_SCHEMA_WHY)
+    if probe.lock_schema_version is None:
+        return Check("lock_schema", title, "skip",
+                     f"not PostgreSQL ({probe.label}): no lock tables to install", _LOCK_SCHEMA_WHY)
+    from toolguard.locks.postgres import SCHEMA_VERSION
+
+    where = f" (schema {lock_schema})" if lock_schema else ""
+    fix = f"toolguard db init --lock-url {_redact(lock_url)}" + (
+        f" --lock-schema {lock_schema}" if lock_schema else "")
+    try:
+        installed = probe.lock_schema_version()
+    except Exception as error:
+        return Check("lock_schema", title, "fail", f"cannot read it{where}: {_reason(error)}",
+                     _LOCK_SCHEMA_WHY, refused=True)
+    data = {"installed": installed, "latest": SCHEMA_VERSION, "schema": lock_schema}
+    if installed == 0:
+        return Check("lock_schema", title, "warn",
+                     f"not installed{where}: the first lock call installs it", _LOCK_SCHEMA_WHY,
+                     fix=fix, data=data)
+    if installed < SCHEMA_VERSION:
+        return Check("lock_schema", title, "warn",
+                     f"version {installed}{where}, this toolguard's is {SCHEMA_VERSION}: the first "
+                     f"lock call upgrades it", _LOCK_SCHEMA_WHY, fix=fix, data=data)
+    if installed > SCHEMA_VERSION:
+        return Check("lock_schema", title, "warn",
+                     f"version {installed}{where}, newer than this toolguard's {SCHEMA_VERSION}",
+                     _LOCK_SCHEMA_WHY, fix="upgrade toolguard on this host", data=data)
+    return Check("lock_schema", title, "pass", f"version {installed}{where} (latest)",
+                 _LOCK_SCHEMA_WHY, data=data)
 
 
 _TTL_WHY = ("a lease is renewed every ttl/3; each renewal is one round trip, and a lease whose "
@@ -663,3 +843,71 @@ def _recent_marks(store: Any, sample: int) -> list[tuple[str, int]]:
         else:
             rows = conn.execute(sql, (sample,)).fetchall()
     return [(str(key), int(token)) for key, token in rows]
+
+
+_SIGNAL_WHY = ("a holder stopped inside its fenced transaction keeps its fence rows locked; the next "
+               "holder, with a newer token, ends that transaction once the stopped holder's lease "
+               "is gone (pg_terminate_backend). That needs the same role for every client or "
+               "pg_signal_backend; without it the next holder waits until the stopped one wakes or "
+               "dies (fail safe, but unbounded)")
+
+#: The store's role, whether it is a superuser or in pg_signal_backend, and the other login
+#: roles that may fence in this store (UPDATE on toolguard_high_water) whose sessions it may
+#: not end. Superusers are left out: only a superuser may end a superuser's session.
+_SIGNAL_QUERY = """
+SELECT current_user, r.rolsuper, pg_has_role(current_user, 'pg_signal_backend', 'USAGE'),
+       ARRAY(SELECT o.rolname::text FROM pg_roles o
+              WHERE o.rolcanlogin AND NOT o.rolsuper AND o.rolname <> current_user
+                AND has_table_privilege(o.oid, 'toolguard_high_water', 'UPDATE')
+                AND NOT pg_has_role(current_user, o.oid, 'USAGE')
+              ORDER BY 1)
+  FROM pg_roles r WHERE r.rolname = current_user
+"""
+
+
+def _signal(store: Any, installed: int) -> Check:
+    title = "Paused-holder bound (PostgreSQL store)"
+    if store is None:
+        return Check("pg_signal", title, "skip", "the store did not answer", _SIGNAL_WHY)
+    if store.dialect != "postgresql":
+        return Check("pg_signal", title, "skip",
+                     "SQLite store: nothing can end another process's transaction (a stopped "
+                     "holder blocks writers until it wakes; see toolguard/sql/README.md)",
+                     _SIGNAL_WHY)
+    if installed < 3:
+        return Check("pg_signal", title, "skip", "the store's schema is not installed (version 3 "
+                     "brings the bound)", _SIGNAL_WHY)
+    try:
+        with store.connection() as conn:
+            row = conn.execute(_SIGNAL_QUERY).fetchone()
+    except Exception as error:
+        return Check("pg_signal", title, "warn", f"cannot read the role's permissions: "
+                     f"{_reason(error)}", _SIGNAL_WHY)
+    role, superuser, signaller, others = row[0], bool(row[1]), bool(row[2]), list(row[3] or [])
+    data = {"role": role, "superuser": superuser, "pg_signal_backend": signaller,
+            "unsignalable_roles": others}
+    if superuser:
+        return Check("pg_signal", title, "pass",
+                     f"role {role} is a superuser: it may end any paused holder's transaction",
+                     _SIGNAL_WHY, data=data)
+    if signaller:
+        return Check("pg_signal", title, "pass",
+                     f"role {role} is a member of pg_signal_backend: it may end a paused holder's "
+                     f"transaction (a superuser's excepted)", _SIGNAL_WHY, data=data)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        return Check("pg_signal", title, "warn",
+                     f"role {role} may not end the sessions of {shown}, which may fence here too, "
+                     f"and is not in pg_signal_backend: a paused holder of theirs makes the next "
+                     f"holder wait until it wakes", _SIGNAL_WHY, data=data,
+                     fix=f"GRANT pg_signal_backend TO {_ident(role)} (or one role for every client)")
+    return Check("pg_signal", title, "pass",
+                 f"role {role} is the only role that may fence here (others it may not signal: "
+                 f"none): one role for every client", _SIGNAL_WHY, data=data)
+
+
+def _ident(name: str) -> str:
+    """A role name as SQL would need it in a GRANT (quoted unless plain)."""
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name):
+        return name
+    return '"' + name.replace('"', '""') + '"'

@@ -88,6 +88,23 @@ def test_replay_conflict_and_stale_over_mcp(mcp_service, mcp_store):
                                                     "stale_fencing_token"]
 
 
+def test_a_replayed_call_advances_the_servers_fence(mcp_service, mcp_store):
+    url = mcp_service.url
+    asyncio.run(call(url, "set_score", {"lead_id": "rf", "score": 3},
+                     meta=meta({"lead:rf": 10}, "rf#1")))
+    again = asyncio.run(call(url, "set_score", {"lead_id": "rf", "score": 3},
+                             meta=meta({"lead:rf": 20}, "rf#1")))
+    assert again.meta[REPLAYED_META_KEY] is True
+    assert mcp_store.high_water("lead:rf") == 20
+    with pytest.raises(MCPError) as stale:
+        asyncio.run(call(url, "set_score", {"lead_id": "rf", "score": 4},
+                         meta=meta({"lead:rf": 15}, "rf#2")))
+    data = stale.value.error.data
+    assert (data["token"], data["current"]) == (15, 20)
+    assert leads(mcp_store)["rf"] == (3, 1)
+    assert [r.reason for r in audit(mcp_store)] == ["applied", "duplicate", "stale_fencing_token"]
+
+
 @pytest.mark.parametrize("sent, code, reason", [
     (None, -32071, "fences_required"),
     ({"toolguard/fencing-token": "lead%3Ax=1"}, -32071, "fences_required"),

@@ -82,6 +82,23 @@ def test_the_same_request_again_replays_the_stored_response(service, service_sto
     assert [r.decision for r in audit(service_store)] == ["accepted", "replayed"]
 
 
+def test_a_replayed_request_advances_the_services_fence(service, service_store):
+    """The replay's token was checked, so the service must refuse every lower one afterwards."""
+    first = httpx.post(service.url + "/leads/rf/score", json={"score": 7},
+                       headers=fenced({"lead:rf": 10}, "rf#1"))
+    again = httpx.post(service.url + "/leads/rf/score", json={"score": 7},
+                       headers=fenced({"lead:rf": 20}, "rf#1"))
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert service_store.high_water("lead:rf") == 20
+    older = httpx.post(service.url + "/leads/rf/score", json={"score": 8},
+                       headers=fenced({"lead:rf": 15}, "rf#2"))
+    assert older.status_code == 409
+    assert (older.json()["token"], older.json()["current"]) == (15, 20)
+    assert leads(service_store)["rf"] == (7, 1)
+    assert [r.decision for r in audit(service_store)] == ["accepted", "replayed", "rejected"]
+
+
 def test_a_retried_call_gets_the_services_replay_after_the_agent_lost_its_record(
         service, service_store, redis_url, tmp_path, unique):
     """The service applied, the agent crashed before its own commit: the retry replays."""

@@ -287,6 +287,7 @@ def test_renew_is_one_statement_and_uses_database_time(postgres_url: str, unique
 # --- schema= and the explicit install step -----------------------------------------------------------
 
 V1_SQL = (Path(__file__).parent / "data" / "lock_schema_v1.sql").read_text()
+V2_SQL = (Path(__file__).parent / "data" / "lock_schema_v2.sql").read_text()
 
 
 @pytest.fixture
@@ -440,3 +441,104 @@ def test_a_notification_older_than_the_last_queued_answer_is_dropped(
     assert waiter.wait(key, late, 0.2) == last + 1
     holder.release(key, owner)
     waiter.release(key, late)
+
+
+# --- the idle-row sweeper against a concurrent acquire ---------------------------------------------
+
+#: An advisory lock key of the test's own (outside toolguard's range), to pause an acquire.
+PAUSE_KEY = 4_242_424_242
+
+
+def _pause_after_fence_insert(url: str, schema: str) -> None:
+    """A trigger that stops every statement inserting into the fence table, once that
+    statement is done, until the test's advisory lock is free: an acquire is then paused
+    between its fence-row insert and whatever its next statement does."""
+    sql(url, f'''
+        CREATE FUNCTION "{schema}".pause_after_fence_insert() RETURNS trigger
+        LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock({PAUSE_KEY}); RETURN NULL; END $$;
+        CREATE TRIGGER pause_after_fence_insert AFTER INSERT ON "{schema}".toolguard_lock_fence
+        FOR EACH STATEMENT EXECUTE FUNCTION "{schema}".pause_after_fence_insert();''')
+
+
+def _wait_until_paused(control: psycopg.Connection[Any], racer: threading.Thread,
+                       timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and racer.is_alive():
+        row = control.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                              "AND NOT granted AND objid = %s", (PAUSE_KEY & 0xFFFFFFFF,)).fetchone()
+        if row and row[0]:
+            return
+        time.sleep(0.01)
+    pytest.fail("the acquire never reached the pause")
+
+
+@pytest.mark.parametrize("installed", ["current", "upgraded from 2"])
+def test_a_sweep_between_the_fence_insert_and_its_lock_cannot_break_an_acquire(
+        postgres_url: str, unique: str, lock_schema: str, installed: str) -> None:
+    """``sweep_postgres_locks`` deletes idle fence rows. An acquire that found its key's row
+    must lock it in the same statement: a row deleted between an insert that found it and a
+    separate ``FOR UPDATE`` used to make the grant mint NULL (a raw NOT NULL violation)."""
+    from toolguard.locks.upkeep import sweep_postgres_locks
+
+    if installed == "current":
+        assert install_lock_schema(postgres_url, schema=lock_schema) == SCHEMA_VERSION
+    else:
+        with psycopg.connect(postgres_url, autocommit=True) as conn, conn.transaction():
+            conn.execute(f'CREATE SCHEMA "{lock_schema}"')
+            conn.execute(f'SET LOCAL search_path TO "{lock_schema}"')
+            conn.execute(V2_SQL)
+        assert lock_schema_version(postgres_url, schema=lock_schema) == 2
+    key = f"{unique}:swept"
+    sql(postgres_url, f'INSERT INTO "{lock_schema}".toolguard_lock_fence (key, token) '
+                      "VALUES (%s, 1000)", key)  # an idle key: its last grant is long past
+    backend = PostgresBackend(postgres_url, schema=lock_schema)
+    outcome: dict[str, Any] = {}
+    try:
+        backend.install()  # (the upgrade, where there is one) before the pause is set up
+        _pause_after_fence_insert(postgres_url, lock_schema)
+
+        def acquire() -> None:
+            try:
+                outcome["attempt"] = backend.try_acquire(key, new_owner(5_000), 5_000)
+            except Exception as error:  # reported below
+                outcome["error"] = error
+
+        with psycopg.connect(postgres_url, autocommit=True) as control:
+            control.execute("SELECT pg_advisory_lock(%s)", (PAUSE_KEY,))
+            racer = threading.Thread(target=acquire)
+            racer.start()
+            try:
+                _wait_until_paused(control, racer)
+                outcome["swept"] = sweep_postgres_locks(postgres_url, idle_s=0, schema=lock_schema)
+            finally:
+                control.execute("SELECT pg_advisory_unlock(%s)", (PAUSE_KEY,))
+                racer.join(10)
+    finally:
+        backend.close()
+    assert "error" not in outcome, f"the acquire failed: {outcome['error']!r}"
+    attempt = outcome["attempt"]
+    assert attempt.granted and attempt.token > 1000
+    assert outcome["swept"].fences == 0  # the row was locked by then: the sweep left it
+    assert sql(postgres_url, f'SELECT token FROM "{lock_schema}".toolguard_lock_fence '
+                             "WHERE key = %s", key) == [(attempt.token,)]
+
+
+def test_a_hand_off_on_a_key_whose_fence_row_is_gone_mints_a_token(postgres_url: str, unique: str,
+                                                                    lock_schema: str) -> None:
+    """The grant never mints NULL: a fence row deleted under a held key (by hand, a sweep
+    run with ``idle_s`` below the TTLs) is created again, with the database time."""
+    key = f"{unique}:gone"
+    backend = PostgresBackend(postgres_url, schema=lock_schema)
+    try:
+        holder, waiter = new_owner(5_000), new_owner(5_000)
+        held = backend.try_acquire(key, holder, 5_000)
+        assert held.granted and not backend.try_acquire(key, waiter, 5_000).granted
+        sql(postgres_url, f'DELETE FROM "{lock_schema}".toolguard_lock_fence WHERE key = %s', key)
+        assert backend.release(key, holder)
+        (row,) = sql(postgres_url, f'SELECT h.owner, h.token, f.token '
+                                   f'FROM "{lock_schema}".toolguard_lock_holder h '
+                                   f'JOIN "{lock_schema}".toolguard_lock_fence f USING (key) '
+                                   "WHERE key = %s", key)
+        assert row[0] == waiter and row[1] == row[2] > held.token
+    finally:
+        backend.close()

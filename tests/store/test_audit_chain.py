@@ -536,12 +536,11 @@ def _uncommitted_row(env: StoreEnv) -> Iterator[tuple[Any, int]]:
         conn.close()
 
 
+@pytest.mark.parametrize("env", ["postgresql"], indirect=True)  # SQLite serializes writers
 def test_a_row_that_commits_late_is_never_left_out_of_a_seal(env: StoreEnv,
                                                               store: GuardedStore) -> None:
     """Ids are taken at insert, rows commit later: a seal must not cover a range an open
     transaction can still commit into (PostgreSQL; SQLite serializes its writers)."""
-    if env.kind != "postgresql":
-        pytest.skip("SQLite writers hold the write lock until they commit")
     write_log(store, 2)
     with _uncommitted_row(env) as (conn, held):
         write_log(store, 2, start=2)  # committed, with ids above the held one
@@ -555,12 +554,11 @@ def test_a_row_that_commits_late_is_never_left_out_of_a_seal(env: StoreEnv,
     assert report.ok and report.sealed_rows == 5 and held == 3
 
 
+@pytest.mark.parametrize("env", ["postgresql"], indirect=True)  # SQLite serializes writers
 def test_the_naive_rule_would_seal_past_a_late_commit(env: StoreEnv, store: GuardedStore,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the wait matters: sealing up to the highest visible id leaves the late row out,
     and verify then reports it as inserted into the sealed range (the safety net)."""
-    if env.kind != "postgresql":
-        pytest.skip("SQLite writers hold the write lock until they commit")
     from toolguard.store.sealing import PgChainIO
 
     def naive(self: PgChainIO, head: Any, wait_s: float) -> tuple[int, None]:

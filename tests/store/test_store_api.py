@@ -197,7 +197,7 @@ def test_replay_returns_recorded_result_and_changes_nothing(ledger: GuardedStore
         deposit(tx, "a", 5, "again")
     assert caught.value.result == {"balance": 5}
     assert balance(ledger) == 5
-    assert ledger.high_water("acct:a") == 5  # the duplicate's fence advance was rolled back
+    assert ledger.high_water("acct:a") == 6  # the replay's tokens were seen: its fence advance stays
     assert ledger.query_audit(limit=1)[0].decision == "replayed"
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import psycopg
 import pytest
 from servers import free_port
 from typer.testing import CliRunner
 
 from store.envs import drop_schema
+from toolguard.locks.postgres import SCHEMA_VERSION as LOCK_SCHEMA_VERSION
+from toolguard.locks.postgres import lock_schema_version
 from toolguard.store import latest_version
 from toolguard.store.cli import EXIT_BEHIND, EXIT_CONFIG, EXIT_UNREACHABLE, db_app
 
@@ -75,3 +80,95 @@ def test_unreachable_server(tmp_path) -> None:
     assert code == EXIT_UNREACHABLE
     assert "cannot connect" in out and "refused" in out.lower()
     assert "secret" not in out  # the password is never printed
+
+
+# --- the PostgreSQL lock schema, beside the store's ---------------------------------------------
+
+V2_LOCK_SQL = (Path(__file__).parents[1] / "locks" / "data" / "lock_schema_v2.sql").read_text()
+
+
+@pytest.fixture
+def lock_env(postgres_url: str, unique: str, monkeypatch: pytest.MonkeyPatch):
+    """A PostgreSQL store schema and a lock schema of the test's own; no lock URL set yet."""
+    for name in ("TOOLGUARD_LOCK_URL", "TOOLGUARD_REDIS_URL", "TOOLGUARD_DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    store_schema, lock_schema = f"tg_cli_{unique}", f"tg_cli_locks_{unique}"
+    try:
+        yield postgres_url, store_schema, lock_schema
+    finally:
+        drop_schema(postgres_url, store_schema)
+        drop_schema(postgres_url, lock_schema)
+
+
+def test_init_installs_the_postgres_lock_schema_from_the_settings(
+        lock_env: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, store_schema, lock_schema = lock_env
+    monkeypatch.setenv("TOOLGUARD_LOCK_URL", url)
+    where = ("--url", url, "--schema", store_schema, "--lock-schema", lock_schema)
+    code, out = invoke("status", *where)
+    assert code == EXIT_BEHIND and "not installed" in out
+    code, out = invoke("init", *where)
+    assert code == 0, out
+    assert f"lock schema upgraded from version 0 to {LOCK_SCHEMA_VERSION} in {url} " \
+           f"(schema {lock_schema})" in out
+    assert lock_schema_version(url, schema=lock_schema) == LOCK_SCHEMA_VERSION
+    code, out = invoke("init", *where)
+    assert code == 0 and f"lock schema already at version {LOCK_SCHEMA_VERSION}" in out
+    code, out = invoke("status", *where)
+    assert code == 0, out
+    assert out.splitlines() == [
+        f"schema version {latest_version('postgresql')} in {url} (schema {store_schema})",
+        f"lock schema version {LOCK_SCHEMA_VERSION} in {url} (schema {lock_schema})"]
+
+
+def test_status_names_a_missing_or_old_lock_schema_and_init_upgrades_it(
+        lock_env: tuple[str, str, str]) -> None:
+    url, store_schema, lock_schema = lock_env
+    where = ("--url", url, "--schema", store_schema, "--lock-url", url, "--lock-schema", lock_schema)
+    assert invoke("init", "--url", url, "--schema", store_schema)[0] == 0  # the store only
+    assert lock_schema_version(url, schema=lock_schema) == 0  # (the lock URL is SQLite here)
+    code, out = invoke("status", *where)
+    assert code == EXIT_BEHIND
+    assert f"lock schema not installed in {url} (schema {lock_schema}); run `toolguard db init`" in out
+    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
+        conn.execute(f'CREATE SCHEMA "{lock_schema}"')
+        conn.execute(f'SET LOCAL search_path TO "{lock_schema}"')
+        conn.execute(V2_LOCK_SQL)
+    code, out = invoke("status", *where)
+    assert code == EXIT_BEHIND
+    assert f"lock schema version 2 in {url} (schema {lock_schema}), {LOCK_SCHEMA_VERSION} " \
+           f"available" in out
+    code, out = invoke("init", *where)
+    assert code == 0 and f"lock schema upgraded from version 2 to {LOCK_SCHEMA_VERSION}" in out
+    assert invoke("status", *where)[0] == 0
+
+
+def test_other_lock_backends_have_no_schema_to_install(tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path}/cli.db"
+    for lock_url in ("redis://127.0.0.1:1/0", f"sqlite:///{tmp_path}/locks.db",
+                     "etcd://127.0.0.1:1"):
+        monkeypatch.setenv("TOOLGUARD_LOCK_URL", lock_url)
+        code, out = invoke("init", "--url", url)
+        assert code == 0 and "lock schema" not in out, out  # nothing contacted, nothing said
+    code, out = invoke("init", "--url", url, "--lock-url", "redis://127.0.0.1:1/0",
+                       "--lock-schema", "s")
+    assert code == EXIT_CONFIG and "--lock-schema" in out and "PostgreSQL" in out
+
+
+def test_redis_url_comes_before_the_store_database(lock_env: tuple[str, str, str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """As at run time: TOOLGUARD_LOCK_URL, else TOOLGUARD_REDIS_URL, else the embedded file."""
+    url, store_schema, _ = lock_env
+    monkeypatch.setenv("TOOLGUARD_REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("TOOLGUARD_DATABASE_URL", url)
+    code, out = invoke("init", "--schema", store_schema)
+    assert code == 0 and "lock schema" not in out, out
+
+
+def test_unreachable_lock_server(tmp_path) -> None:
+    lock_url = f"postgresql://postgres:secret@127.0.0.1:{free_port()}/nowhere"
+    code, out = invoke("init", "--url", f"sqlite:///{tmp_path}/cli.db", "--lock-url", lock_url,
+                       "--timeout", "1")
+    assert code == EXIT_UNREACHABLE, out
+    assert "cannot connect to the lock server at" in out and "secret" not in out

@@ -87,8 +87,8 @@ def test_apply_replay_and_conflict_without_begin(env: StoreEnv, no_begin: Guarde
     assert status(store, "fast-1") == [("applied", 1)]
     assert decisions(store, "fast-1") == [("accepted", "applied"), ("replayed", "duplicate"),
                                           ("rejected", "idempotency_conflict")]
-    # the replay's fence advance was rolled back with it; the high-water mark is the first lease's
-    assert store.high_water(key) == first.tokens[key]
+    # the replay checked its lease's token: its fence advance stays (the conflict's is rolled back)
+    assert store.high_water(key) == again.tokens[key] > first.tokens[key]
 
 
 def test_failed_attempt_without_begin_is_recorded_then_applied_once(
@@ -231,7 +231,8 @@ def test_keys_with_array_syntax_round_trip(ledger: GuardedStore) -> None:
 @pytest.mark.parametrize("env", ["postgresql"], indirect=True)  # one message: PostgreSQL's path
 def test_failed_write_never_leaves_its_transaction_open(env: StoreEnv, ledger: GuardedStore,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ROLLBACK rides with the failure's audit row; if that cannot be written, it goes alone.
+    """The ROLLBACK (a replay's COMMIT) rides with the failure's audit row; if that cannot be
+    written, it goes alone.
 
     One pooled connection: every later write needs it back clean, its fences released.
     """
@@ -257,8 +258,18 @@ def test_failed_write_never_leaves_its_transaction_open(env: StoreEnv, ledger: G
         monkeypatch.undo()
         with store.connection(timeout=2) as conn:  # the only connection, back and idle
             assert conn.info.transaction_status.name == "IDLE"
-        assert store.high_water("acct:a") == 5  # no failed attempt's fence advance survived
-        with store.fenced({"acct:a": 7}) as tx:
+        # no failed attempt's fence advance survived; the replay's (6) did
+        assert store.high_water("acct:a") == 6
+        # a replay whose audit row cannot be built: its COMMIT goes alone, the connection is clean
+        monkeypatch.setattr(postgres, "_failure_params", broken)
+        with pytest.raises(Exception, match="already applied"), \
+                store.fenced({"acct:a": 8}, intent("fast-clean")):
+            pytest.fail("a replay must not run")
+        monkeypatch.undo()
+        with store.connection(timeout=2) as conn:
+            assert conn.info.transaction_status.name == "IDLE"
+        assert store.high_water("acct:a") == 8
+        with store.fenced({"acct:a": 8}) as tx:
             deposit(tx, "a", 1, "second")
         assert ledger_state(store)[0]["a"] == (2, 2)
         assert [(e.decision, e.reason) for e in store.query_audit(newest_first=False)] == [

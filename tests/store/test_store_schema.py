@@ -27,7 +27,7 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 
 EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
                                       (3, "003_stale_blockers_exact_results"), (4, "004_controls"),
-                                      (5, "005_tamper_evident_audit")],
+                                      (5, "005_tamper_evident_audit"), (6, "006_replay_keeps_intent")],
                        "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit")]}
 
 
@@ -352,6 +352,32 @@ def test_pg_003_records_results_exactly(pg: psycopg.Connection[Any]) -> None:
                    "NULL, NULL, 'h')")
         assert _raises(pg, "SELECT toolguard_apply('j', %s::jsonb, '{}')",
                        (text,)).sqlstate == "22P05"
+
+
+def test_pg_006_a_replay_leaves_the_applied_intent_row_alone(pg: psycopg.Connection[Any]) -> None:
+    """Version 6: toolguard_enter finds an applied intent without writing its row, so a client
+    may commit a replay's fence advance; everything else behaves as in version 3."""
+    _install_files(pg, 3)
+    for _ in range(2):  # on top of 003 (it needs nothing newer), twice
+        with pg.transaction():
+            pg.execute(_sql_file("006_replay_keeps_intent.sql"))
+    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (6,)
+    enter = ("SELECT * FROM toolguard_enter(ARRAY['k'], ARRAY[%s]::bigint[], 'i', 'deposit', "
+             "'agent', NULL, %s)")
+    with pg.transaction():
+        assert pg.execute(enter, (1, "h")).fetchone() == (False, None)
+        pg.execute("SELECT toolguard_record('i', '7', '{\"k\": 1}')")
+    intent_row = "SELECT xmin::text, status, attempts, updated_at, result::text FROM toolguard_intent"
+    applied = pg.execute(intent_row).fetchone()
+    with pg.transaction():  # a replay, committed: only the fence moved
+        assert pg.execute(enter, (5, "h")).fetchone() == (True, 7)
+    assert pg.execute(intent_row).fetchone() == applied  # not even a new row version
+    assert pg.execute("SELECT token FROM toolguard_high_water").fetchone() == (5,)
+    assert _raises(pg, enter, (6, "other")).sqlstate == "TG004"  # a conflict still raises
+    pg.execute("UPDATE toolguard_intent SET status = 'unknown'")
+    with pg.transaction():  # reconciling an unknown attempt is still counted
+        assert pg.execute(enter, (7, "h")).fetchone() == (False, 7)
+    assert pg.execute("SELECT status, attempts FROM toolguard_intent").fetchone() == ("unknown", 2)
 
 
 def test_pg_003_token_locks_are_tagged(pg: psycopg.Connection[Any]) -> None:

@@ -58,6 +58,13 @@ DECISION_STYLE = {"accepted": "green", "replayed": "cyan", "rejected": "bold red
                   "operator": "bold"}
 #: One line per reason code, for people reading a refusal.
 REASONS = {
+    "statement_timeout": "PostgreSQL's statement_timeout ended a statement; nothing was committed, "
+                         "a retry may run it",
+    "query_canceled": "the statement was cancelled (pg_cancel_backend); nothing was committed",
+    "deadlock": "PostgreSQL broke a deadlock by ending this transaction; nothing was committed",
+    "serialization_failure": "the transaction could not be serialized; nothing was committed",
+    "lock_not_available": "a lock was not granted within the session's lock_timeout; nothing was "
+                          "committed",
     "applied": "the intent ran and its write committed",
     "duplicate": "already applied under this idempotency key: the recorded result was returned",
     "stale_fencing_token": "a newer lock holder had written: a stalled holder's late write was refused",

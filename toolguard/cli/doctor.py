@@ -24,9 +24,13 @@ STYLE = {"pass": "bold green", "warn": "bold yellow", "fail": "bold red", "skip"
 def doctor(
     lock_url: Annotated[str | None, typer.Option(
         "--lock-url", metavar="URL",
-        help="Lock server URL (redis://, postgresql://, etcd://, sqlite:///). Default: "
-                           "TOOLGUARD_LOCK_URL, TOOLGUARD_REDIS_URL, else the embedded SQLite file.",
-        show_default=False)] = None,
+        help="Lock server URL (redis://, redis+cluster://, redis+sentinel://, postgresql://, "
+             "etcd://, sqlite:///). Default: TOOLGUARD_LOCK_URL, TOOLGUARD_REDIS_URL, else the "
+             "embedded SQLite file.", show_default=False)] = None,
+    lock_schema: Annotated[str | None, typer.Option(
+        "--lock-schema", metavar="SCHEMA",
+        help="PostgreSQL lock backend: the schema of its tables (connect(url, schema=...)). "
+             "Default: the search_path.", show_default=False)] = None,
     store_url: Annotated[str | None, typer.Option(
         "--store-url", "--url", metavar="URL",
         help="Store URL. Default: TOOLGUARD_DATABASE_URL, else the embedded "
@@ -49,11 +53,14 @@ def doctor(
 ) -> None:
     """Check a deployment against toolguard's operating checklist.
 
-    Lock server and store reachable; Redis eviction policy and persistence; clock skew;
-    schema version; TTL vs renewal interval and round trip; the lock server's counters
-    above the store's fencing high-water marks. Each check prints pass, warn, fail or skip
-    with why it matters. Exit 0 when nothing failed, 1 if a check fails (--strict: or
-    warns), 2 on a usage error, 3 if a backend cannot be reached.
+    Lock server and store reachable; Redis eviction policy and persistence (on every
+    primary of a Redis Cluster, on the primary Sentinel names); clock skew; the store's
+    schema version, and a PostgreSQL lock backend's; TTL vs renewal interval and round
+    trip; the lock server's counters above the store's fencing high-water marks; whether a
+    PostgreSQL store's role may end a paused holder's transaction (pg_signal_backend, or
+    one role for every client). Each check prints pass, warn, fail or skip with why it
+    matters. Exit 0 when nothing failed, 1 if a check fails (--strict: or warns), 2 on a
+    usage error, 3 if a backend cannot be reached, 4 if one refused the connection.
     """
     from toolguard.doctor import exit_code, run_checks
 
@@ -68,7 +75,8 @@ def doctor(
             wait = min([loaded.defaults.wait_timeout_s,
                         *(t.wait_timeout_s for t in loaded.tools.values())])
         checks = run_checks(lock_url=lock_url, store_url=store_url, schema=schema, ttl_ms=ttls,
-                            wait_timeout_s=wait, timeout_s=timeout, sample=sample, reseed=reseed)
+                            wait_timeout_s=wait, timeout_s=timeout, sample=sample, reseed=reseed,
+                            lock_schema=lock_schema)
     code = exit_code(checks, strict=strict)
     if json_out:
         typer.echo(json.dumps({"ok": code == 0, "exit_code": code,

@@ -8,7 +8,9 @@ outcome into its protocol's response, and nothing here knows HTTP or MCP:
   same transaction, its answer was recorded under the idempotency key and
   everything committed together.
 * ``Replayed``: the key was applied before; the recorded answer comes back and
-  the handler does not run.
+  the handler does not run. The fences it carried were checked and advanced all
+  the same (the store commits a replay's fence advance), so a holder with a
+  lower token is refused afterwards.
 * ``Declined``: the handler answered with a failure (an HTTP status >= 400, an
   MCP error result): its writes were rolled back, and the answer goes out as is.
 * ``Refused``: a ``Problem`` (stale token, key in flight, key reused for

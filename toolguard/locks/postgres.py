@@ -42,6 +42,12 @@ TTL), so it is a separate overload. The version 1 acquire is left in place on
 purpose: clients of the previous release that are still running keep working on
 the same tables during a rolling upgrade, with their own semantics (their hand-offs
 still run for their full TTL, which is what they expect).
+
+Lock schema 3 changes function bodies only (same signatures, so version 2 clients
+use them as they are): acquire creates or locks the key's fence row in one
+statement (version 2 inserted it, then locked it in a second statement, and an
+idle-row sweep in between made the grant fail with a NOT NULL violation), and a
+grant creates a fence row that is missing instead of minting NULL.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ INFO = BackendInfo(
 )
 
 #: The lock schema's version, stored in the comment of the acquire function.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA_MARK = f"toolguard lock schema {SCHEMA_VERSION}"
 _MARK_PREFIX = "toolguard lock schema "
 
@@ -122,17 +128,18 @@ CREATE TABLE IF NOT EXISTS {s}toolguard_lock_waiter (
 CREATE INDEX IF NOT EXISTS toolguard_lock_waiter_line ON {s}toolguard_lock_waiter (key, arrival);
 
 -- Mint p_key's next token and make p_owner its holder for p_ttl_ms (the caller holds
--- the fence row lock). Returns the token.
+-- the fence row lock). Returns the token. A fence row that is missing all the same (swept
+-- as idle) is created with the database time, as acquire would: never a NULL token.
 CREATE OR REPLACE FUNCTION {s}toolguard_lock_grant(p_key text, p_owner text, p_ttl_ms integer)
 RETURNS bigint LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     v_token bigint;
 BEGIN
-    UPDATE {s}toolguard_lock_fence
-       SET token = greatest(token + 1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)
-     WHERE key = p_key
-    RETURNING token INTO v_token;
+    INSERT INTO {s}toolguard_lock_fence AS f (key, token)
+    VALUES (p_key, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)
+    ON CONFLICT (key) DO UPDATE SET token = greatest(f.token + 1, excluded.token)
+    RETURNING f.token INTO v_token;
     INSERT INTO {s}toolguard_lock_holder (key, owner, token, expires_at)
     VALUES (p_key, p_owner, v_token, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
     ON CONFLICT (key) DO UPDATE
@@ -176,9 +183,10 @@ DECLARE
     v_holder {s}toolguard_lock_holder%ROWTYPE;
     v_first text;
 BEGIN
-    INSERT INTO {s}toolguard_lock_fence (key, token) VALUES (p_key, 0)
-    ON CONFLICT (key) DO NOTHING;
-    PERFORM 1 FROM {s}toolguard_lock_fence WHERE key = p_key FOR UPDATE;
+    -- Create or lock the key's fence row in one statement: an idle-row sweep
+    -- (toolguard.locks.upkeep) can never delete it between finding and locking it.
+    INSERT INTO {s}toolguard_lock_fence AS f (key, token) VALUES (p_key, 0)
+    ON CONFLICT (key) DO UPDATE SET token = f.token;
     DELETE FROM {s}toolguard_lock_holder WHERE key = p_key AND expires_at <= clock_timestamp();
     SELECT * INTO v_holder FROM {s}toolguard_lock_holder WHERE key = p_key;
     IF NOT FOUND THEN

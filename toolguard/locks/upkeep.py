@@ -99,9 +99,10 @@ def sweep_postgres_locks(target: str | psycopg.Connection[Any], *, idle_s: float
     rows go in batches of ``batch``, each its own short transaction, so a sweep
     of millions of keys never holds many row locks at once.
 
-    A key locked in the instant its row is deleted fails that one acquire with an
-    error (nothing is granted); the next try succeeds. Sweep with an ``idle_s``
-    far above your lock TTLs (the default is a day).
+    A key acquired while the sweep runs is safe: since lock schema 3 acquire
+    creates or locks its row in one statement, so the sweep skips a locked row,
+    or deletes it before the acquire creates it again with a fresh token. Sweep
+    with an ``idle_s`` far above your lock TTLs (the default is a day).
     """
     if idle_s < 0 or batch < 1:
         msg = f"idle_s must be >= 0 and batch >= 1, got idle_s={idle_s!r}, batch={batch!r}"

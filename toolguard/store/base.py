@@ -794,7 +794,10 @@ class Session(Protocol):
 
     def finish(self, tx: FencedTransaction, entry: AuditEntry) -> None: ...
 
-    def abort(self, error: BaseException) -> BaseException: ...
+    def abort(self, error: BaseException) -> BaseException:
+        """End the transaction (or leave its end to ``record_failure``): a replay that
+        ``enter`` found commits its fence advance, anything else rolls back."""
+        ...
 
     def record_failure(self, plan: FencePlan, entry: AuditEntry,
                        status: IntentStatus | None) -> None: ...
@@ -837,9 +840,12 @@ def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
                 intent: IntentRecord | None, detail: str | None) -> Iterator[FencedTransaction]:
     """Fence, run the tool, record and audit, commit; on failure roll back and audit outside.
 
-    With a lease, it must still be held right before the commit is sent
-    (``LockLost`` otherwise). It is not checked at entry: a holder that paused
-    before its write meets the fence there, the data tier's own refusal.
+    A replay (``DuplicateIntent`` from ``enter``) is the one failure whose fence
+    advance is committed: its tokens were checked, so lower ones must be refused
+    afterwards; the intent row is left as it was. With a lease, it must still
+    be held right before the commit is sent (``LockLost`` otherwise). It is not
+    checked at entry: a holder that paused before its write meets the fence
+    there, the data tier's own refusal.
     """
     plan = FencePlan.build(source, intent, detail)
     committing = False

@@ -8,6 +8,13 @@ failures print one line on stderr and exit with a code scripts can test:
     2  bad URL or settings
     3  the database cannot be reached
     4  the database refused (permissions, a broken schema, ...)
+
+When the lock backend is PostgreSQL, its tables (``toolguard_lock_*``) are
+installed and inspected beside the store's. The lock URL is found as at run
+time: ``--lock-url``, else ``TOOLGUARD_LOCK_URL``, else ``TOOLGUARD_REDIS_URL``,
+else the embedded SQLite file; never the store's own database unless the lock
+URL names it. Other lock backends have no schema to install: nothing is said
+about them.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ __all__ = [
     "open_cli_store",
     "probe_postgres",
     "redact",
+    "resolve_lock_url",
     "resolve_store_url",
 ]
 
@@ -46,7 +54,11 @@ EXIT_CONFIG = 2
 EXIT_UNREACHABLE = 3
 EXIT_REFUSED = 4
 
-db_app = typer.Typer(help="The guarded store's schema: install, upgrade, inspect.",
+db_app = typer.Typer(help="The guarded store's schema (and the PostgreSQL lock backend's tables): "
+                          "install, upgrade, inspect.\n\nThe lock backend is the one the guard "
+                          "uses: --lock-url, else TOOLGUARD_LOCK_URL, else TOOLGUARD_REDIS_URL, "
+                          "else the embedded SQLite file. Only a PostgreSQL lock backend has tables "
+                          "to install; Redis, etcd and SQLite locks need nothing.",
                      no_args_is_help=True)
 
 UrlOption = Annotated[str | None, typer.Option(
@@ -60,6 +72,24 @@ SchemaOption = Annotated[str | None, typer.Option(
 TimeoutOption = Annotated[float, typer.Option(
     "--timeout", min=0.1, metavar="SECONDS",
     help="Seconds to wait for a server before giving up (exit 3).")]
+LockUrlOption = Annotated[str | None, typer.Option(
+    "--lock-url", metavar="URL",
+    help="Lock backend URL. Default: TOOLGUARD_LOCK_URL, else TOOLGUARD_REDIS_URL, else the embedded "
+         "SQLite file. A postgresql:// lock backend gets its tables (toolguard_lock_*) installed "
+         "and checked too; other backends need nothing.", show_default=False)]
+LockSchemaOption = Annotated[str | None, typer.Option(
+    "--lock-schema", metavar="SCHEMA",
+    help="PostgreSQL schema of the lock tables, as passed to connect(url, schema=...) (created by "
+         "init). Default: the search_path. Independent of --schema.", show_default=False)]
+
+
+def resolve_lock_url(url: str | None) -> str:
+    """``url``, else the lock URL the guard would use (``Settings.resolved_lock_url``)."""
+    if url:
+        return url
+    from toolguard.config import Settings
+
+    return Settings().resolved_lock_url()
 
 
 def resolve_store_url(url: str | None) -> str:
@@ -80,8 +110,11 @@ _shown = redact
 
 
 @contextmanager
-def _failures(url: str) -> Iterator[None]:
-    """Expected failures become one line on stderr and an exit code; no traceback."""
+def _failures(url: str, what: str = "store") -> Iterator[None]:
+    """Expected failures become one line on stderr and an exit code; no traceback.
+
+    ``what`` names the server in the message: the store, or the lock server.
+    """
     shown = _shown(url)
     try:
         yield
@@ -89,7 +122,7 @@ def _failures(url: str) -> Iterator[None]:
         typer.echo(f"error: {shown}: {error}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None
     except BackendUnavailable as error:
-        typer.echo(f"error: cannot connect to the store at {shown}: {error}", err=True)
+        typer.echo(f"error: cannot connect to the {what} at {shown}: {error}", err=True)
         raise typer.Exit(EXIT_UNREACHABLE) from None
     except BackendRefused as error:
         typer.echo(f"error: {shown}: {error}", err=True)
@@ -98,7 +131,7 @@ def _failures(url: str) -> Iterator[None]:
         typer.echo(f"error: {error.reason}: {error}", err=True)
         raise typer.Exit(EXIT_REFUSED) from None
     except Exception as error:  # a database error we did not map: still no traceback
-        typer.echo(f"error: the store at {_shown(url)} refused: {type(error).__name__}: "
+        typer.echo(f"error: the {what} at {_shown(url)} refused: {type(error).__name__}: "
                    f"{str(error).strip()}", err=True)
         raise typer.Exit(EXIT_REFUSED) from None
 
@@ -200,10 +233,48 @@ def _missing_sqlite_file(url: str, schema: str | None) -> bool:
     return not Path(sqlite_path(url)).exists()
 
 
+def _where(url: str, schema: str | None) -> str:
+    return f"{_shown(url)}" + (f" (schema {schema})" if schema else "")
+
+
+def _postgres_locks(lock_url: str, lock_schema: str | None) -> bool:
+    """Whether the lock backend has tables to install; ``--lock-schema`` needs one that does."""
+    if is_postgres_url(lock_url):
+        return True
+    if lock_schema:
+        msg = f"--lock-schema only applies to a PostgreSQL lock backend, not {_shown(lock_url)}"
+        raise ConfigurationError(msg)
+    return False
+
+
+def _lock_versions(lock_url: str, lock_schema: str | None, timeout: float, *,
+                   install: bool) -> tuple[int, int]:
+    """The lock schema version before, and after an install if ``install``."""
+    from toolguard.extras import require
+
+    require("postgres", "the PostgreSQL lock backend")
+    from toolguard.locks.postgres import check_schema_name, install_lock_schema, lock_schema_version
+
+    check_schema_name(lock_schema)
+    probe_postgres(lock_url, timeout)  # a wrong role or database fails here, at once (exit 4)
+    before = lock_schema_version(lock_url, schema=lock_schema, timeout_s=timeout)
+    if not install:
+        return before, before
+    return before, install_lock_schema(lock_url, schema=lock_schema, timeout_s=timeout)
+
+
 @db_app.command("init")
-def init(url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 10.0) -> None:
-    """Install the schema, or upgrade it to this toolguard's version. Safe to repeat."""
+def init(url: UrlOption = None, schema: SchemaOption = None, lock_url: LockUrlOption = None,
+         lock_schema: LockSchemaOption = None, timeout: TimeoutOption = 10.0) -> None:
+    """Install the schema, or upgrade it to this toolguard's version. Safe to repeat.
+
+    With a PostgreSQL lock backend (--lock-url, TOOLGUARD_LOCK_URL, TOOLGUARD_REDIS_URL,
+    in that order), its lock tables are installed or upgraded too.
+    """
     target = resolve_store_url(url)
+    locks = resolve_lock_url(lock_url)
+    with _failures(locks, "lock server"):
+        postgres_locks = _postgres_locks(locks, lock_schema)
     with _failures(target):
         store = open_cli_store(target, schema, timeout)
         try:
@@ -211,20 +282,36 @@ def init(url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOpt
             after = store.install()
         finally:
             store.close()
-    where = f"{_shown(target)}" + (f" (schema {schema})" if schema else "")
+    where = _where(target, schema)
     if before == after:
         typer.echo(f"schema already at version {after} in {where}")
     else:
         typer.echo(f"schema upgraded from version {before} to {after} in {where}")
+    if not postgres_locks:
+        return
+    with _failures(locks, "lock server"):
+        before, after = _lock_versions(locks, lock_schema, timeout, install=True)
+    where = _where(locks, lock_schema)
+    if before == after:
+        typer.echo(f"lock schema already at version {after} in {where}")
+    else:
+        typer.echo(f"lock schema upgraded from version {before} to {after} in {where}")
 
 
 @db_app.command("status")
-def status(url: UrlOption = None, schema: SchemaOption = None,
-           timeout: TimeoutOption = 10.0) -> None:
-    """Show the installed schema version; exit 1 if it is missing or behind."""
+def status(url: UrlOption = None, schema: SchemaOption = None, lock_url: LockUrlOption = None,
+           lock_schema: LockSchemaOption = None, timeout: TimeoutOption = 10.0) -> None:
+    """Show the installed schema version; exit 1 if it is missing or behind.
+
+    With a PostgreSQL lock backend, its lock schema version too (exit 1 if it is
+    missing or behind: `toolguard db init` installs it).
+    """
     from toolguard.store import latest_version
 
     target = resolve_store_url(url)
+    locks = resolve_lock_url(lock_url)
+    with _failures(locks, "lock server"):
+        postgres_locks = _postgres_locks(locks, lock_schema)
     with _failures(target):
         store = None if _missing_sqlite_file(target, schema) else open_cli_store(target, schema, timeout)
         try:
@@ -233,13 +320,28 @@ def status(url: UrlOption = None, schema: SchemaOption = None,
             if store is not None:
                 store.close()
         latest = latest_version("sqlite" if target.startswith("sqlite:") else "postgresql")
-    where = f"{_shown(target)}" + (f" (schema {schema})" if schema else "")
+    behind = _report("schema", installed, latest, _where(target, schema))
+    if postgres_locks:
+        from toolguard.locks.postgres import SCHEMA_VERSION
+
+        with _failures(locks, "lock server"):
+            lock_installed, _ = _lock_versions(locks, lock_schema, timeout, install=False)
+        behind = _report("lock schema", lock_installed, SCHEMA_VERSION,
+                         _where(locks, lock_schema)) or behind
+    if behind:
+        raise typer.Exit(EXIT_BEHIND)
+
+
+def _report(what: str, installed: int, latest: int, where: str) -> bool:
+    """One line about one schema; True if it is missing or behind (``init`` would change it)."""
     if installed == 0:
-        typer.echo(f"not installed in {where}; run `toolguard db init`")
-        raise typer.Exit(EXIT_BEHIND)
+        missing = "not installed" if what == "schema" else f"{what} not installed"
+        typer.echo(f"{missing} in {where}; run `toolguard db init`")
+        return True
     if installed < latest:
-        typer.echo(f"schema version {installed} in {where}, {latest} available; "
+        typer.echo(f"{what} version {installed} in {where}, {latest} available; "
                    f"run `toolguard db init`")
-        raise typer.Exit(EXIT_BEHIND)
+        return True
     newer = f" (newer than this toolguard's {latest})" if installed > latest else ""
-    typer.echo(f"schema version {installed}{newer} in {where}")
+    typer.echo(f"{what} version {installed}{newer} in {where}")
+    return False

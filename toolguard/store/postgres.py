@@ -10,10 +10,14 @@ binding (``ClientCursor``: the values are still passed as parameters and
 quoted by psycopg, never formatted into the SQL by hand), which costs less
 client CPU than pipeline mode for the same single round trip. A failed write
 sends its ``ROLLBACK`` together with the audit row (written after the
-rollback, in a transaction of its own) the same way. Each audit row's hash is
-set by a trigger in the same ``INSERT`` (schema version 5): no round trip, and
-no lock shared between writers; sealing the log (``seal_audit``) happens apart
-from the calls (``toolguard.store.sealing``).
+rollback, in a transaction of its own) the same way. A replay (the intent was
+applied before) sends ``COMMIT`` instead: its fences were checked and advanced
+before the replay was found, and the store must remember the tokens it has seen
+(schema version 6 leaves the applied intent row unwritten, so only the fence
+advance commits). Each audit row's hash is set by a trigger in the same
+``INSERT`` (schema version 5): no round trip, and no lock shared between
+writers; sealing the log (``seal_audit``) happens apart from the calls
+(``toolguard.store.sealing``).
 
 Connections are autocommit; a fenced write opens its own transaction. With
 ``schema=...`` every pooled connection uses that schema alone as its
@@ -26,6 +30,13 @@ that transaction once the stopped holder's lease is gone (see
 ``pg_signal_backend``). The stopped holder's attempt then fails when it wakes:
 ``LockLost`` when it passed its lease to ``fenced()``, else
 ``BackendUnavailable``; audited once, its intent not applied.
+
+Errors: the ``TGnnn`` SQLSTATEs of ``toolguard/sql`` become their typed errors;
+a statement the server ended (``statement_timeout`` or a cancel, a deadlock, a
+serialization failure, ``lock_timeout``) becomes a ``TransactionAborted``
+subclass with its own reason code (``statement_timeout``, ``query_canceled``,
+``deadlock``, ``serialization_failure``, ``lock_not_available``); a lost
+server ``BackendUnavailable``. Inside ``fenced()`` each is audited once.
 """
 
 from __future__ import annotations
@@ -80,7 +91,15 @@ from toolguard.store.base import (
 from toolguard.store.chain import AuditVerification, ExportResult, SealResult
 from toolguard.store.sealing import MAX_SEAL_ROWS, check_anchors, pg_export, pg_seal, pg_verify
 
-__all__ = ["AsyncPostgresStore", "PostgresStore"]
+__all__ = [
+    "AsyncPostgresStore",
+    "Deadlock",
+    "LockNotAvailable",
+    "PostgresStore",
+    "SerializationFailure",
+    "StatementTimeout",
+    "TransactionAborted",
+]
 
 log = logging.getLogger("toolguard.store")
 
@@ -132,6 +151,9 @@ FAILURE = f"WITH failed AS ({_INTENT_FAILED}) {_AUDIT_INTO}"
 #: One message (client-side binding): end the failed transaction, then record the failure in a
 #: transaction of its own (statements after ROLLBACK in one simple query commit together).
 ROLLBACK_FAILURE = f"ROLLBACK; {FAILURE}"
+#: The same for a replay found by ``toolguard_enter``: its fence advance is committed (the
+#: store has seen its tokens), the intent row was left as it was, and the audit row follows.
+COMMIT_FAILURE = f"COMMIT; {FAILURE}"
 _OPEN = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 MARK_UNKNOWN = ("UPDATE toolguard_intent SET status = 'unknown', updated_at = now() "
                 "WHERE idempotency_key = %s AND status <> 'applied'")
@@ -150,6 +172,69 @@ POOL_EXHAUSTED = "the server answers, but the pool had no free connection in tim
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
 #: SQLSTATEs that mean "the server went away" (class 08, admin/crash shutdown, starting up).
 _GONE = ("57P01", "57P02", "57P03")
+
+
+class TransactionAborted(StoreError):
+    """PostgreSQL ended a statement, and with it its transaction: nothing of it was committed.
+
+    The server's own refusal to go on (a timeout, a deadlock, a serialization
+    failure), not toolguard's; ``sqlstate`` names it. A fenced write that meets
+    one is audited once as ``failed`` with this reason, its intent marked
+    'failed', and the call may be retried.
+    """
+
+    reason = "transaction_aborted"
+
+    def __init__(self, message: str, *, sqlstate: str | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.sqlstate = sqlstate
+
+
+class StatementTimeout(TransactionAborted):
+    """SQLSTATE 57014: ``statement_timeout`` ran out (reason ``statement_timeout``), or the
+    statement was cancelled (``pg_cancel_backend``, a client's cancel: ``query_canceled``)."""
+
+    reason = "statement_timeout"
+
+
+class Deadlock(TransactionAborted):
+    """SQLSTATE 40P01: PostgreSQL broke a deadlock by ending this transaction."""
+
+    reason = "deadlock"
+
+
+class SerializationFailure(TransactionAborted):
+    """SQLSTATE 40001: a REPEATABLE READ or SERIALIZABLE transaction could not be serialized."""
+
+    reason = "serialization_failure"
+
+
+class LockNotAvailable(TransactionAborted):
+    """SQLSTATE 55P03: a row or table lock was not granted within the session's
+    ``lock_timeout`` (or ``NOWAIT``)."""
+
+    reason = "lock_not_available"
+
+
+#: What a SQLSTATE that ends the statement and its transaction becomes.
+_ABORTED: dict[str, type[TransactionAborted]] = {
+    "57014": StatementTimeout,
+    "40P01": Deadlock,
+    "40001": SerializationFailure,
+    "55P03": LockNotAvailable,
+}
+
+
+def _aborted(error: psycopg.Error, state: str) -> TransactionAborted:
+    cls = _ABORTED[state]
+    said = (error.diag.message_primary or str(error)).strip()
+    reason = None
+    if cls is StatementTimeout and "statement timeout" not in said:
+        reason = "query_canceled"
+    msg = (f"postgresql ended the statement ({said}); its transaction was rolled back, "
+           f"nothing of it was committed, and the call may be retried")
+    return cls(msg, sqlstate=state, reason=reason)
 
 
 def check_url(url: str) -> None:
@@ -186,6 +271,8 @@ def translate(error: BaseException) -> BaseException:
                                  error.diag.message_detail)
     if mapped is not None:
         return mapped
+    if state in _ABORTED:
+        return _aborted(error, state)
     if isinstance(error, psycopg.OperationalError) and (
             state is None or state.startswith("08") or state in _GONE):
         return BackendUnavailable(f"postgresql: {str(error).strip()}")
@@ -358,6 +445,9 @@ class _Session:
         self.tx: FencedTransaction | None = None
         #: ``abort`` left the ROLLBACK to ``record_failure``, to send it with the audit row.
         self.rollback_pending = False
+        #: The replay ``enter`` found: its transaction ends with COMMIT, not ROLLBACK.
+        self.replay: DuplicateIntent | None = None
+        self.commit_pending = False
 
     def _execute(self, query: str, params: Any, counted: bool = False) -> psycopg.Cursor[Any]:
         # ``counted``: a psycopg cursor's ``rowcount`` already counts returned or changed rows.
@@ -379,7 +469,8 @@ class _Session:
         row = cursor.fetchone()
         assert row is not None
         if row[0]:
-            raise _duplicate(plan, row[1])
+            self.replay = _duplicate(plan, row[1])
+            raise self.replay
         self.tx = FencedTransaction(conn, plan, DIALECT, self._execute)
         return self.tx
 
@@ -393,29 +484,33 @@ class _Session:
         psycopg.ClientCursor(self.conn).execute(query, params)
 
     def abort(self, error: BaseException) -> BaseException:
-        # The ROLLBACK goes out with the failure's audit row, in one message (record_failure);
-        # ``settle`` sends it alone if that never happens.
+        # The ROLLBACK (a replay's COMMIT) goes out with the failure's audit row, in one
+        # message (record_failure); ``settle`` sends it alone if that never happens.
         self.rollback_pending = not self.conn.closed and self.conn.info.transaction_status in _OPEN
+        self.commit_pending = self.rollback_pending and error is self.replay
         mapped = translate(error)
         if isinstance(mapped, BackendUnavailable):
             self.store._forget_dead()
         return mapped
 
     def settle(self) -> None:
-        """Roll back a transaction that ``abort`` left open (before the connection goes back)."""
+        """End a transaction that ``abort`` left open (before the connection goes back)."""
         conn = self.conn
-        self.rollback_pending = False
+        ending = "COMMIT" if self.commit_pending else "ROLLBACK"
+        self.rollback_pending = self.commit_pending = False
         if not conn.closed and conn.info.transaction_status in _OPEN:
             with contextlib.suppress(psycopg.Error):
-                conn.execute("ROLLBACK")
+                conn.execute(ending)
 
     def record_failure(self, plan: FencePlan, entry: AuditEntry,
                        status: IntentStatus | None) -> None:
         params = _failure_params(plan, entry, status)
         if self.rollback_pending:
             self.rollback_pending = False
+            query = COMMIT_FAILURE if self.commit_pending else ROLLBACK_FAILURE
             try:
-                psycopg.ClientCursor(self.conn).execute(ROLLBACK_FAILURE, params)
+                psycopg.ClientCursor(self.conn).execute(query, params)
+                self.commit_pending = False
                 return
             except psycopg.Error:
                 self.settle()  # then try once more below, alone
@@ -617,6 +712,8 @@ class _AsyncSession:
         self.conn = conn
         self.tx: AsyncFencedTransaction | None = None
         self.rollback_pending = False
+        self.replay: DuplicateIntent | None = None  # as in the sync session
+        self.commit_pending = False
 
     async def _execute(self, query: str, params: Any,
                        counted: bool = False) -> psycopg.AsyncCursor[Any]:
@@ -638,7 +735,8 @@ class _AsyncSession:
         row = await cursor.fetchone()
         assert row is not None
         if row[0]:
-            raise _duplicate(plan, row[1])
+            self.replay = _duplicate(plan, row[1])
+            raise self.replay
         self.tx = AsyncFencedTransaction(conn, plan, DIALECT, self._execute)
         return self.tx
 
@@ -652,28 +750,33 @@ class _AsyncSession:
         await psycopg.AsyncClientCursor(self.conn).execute(query, params)
 
     async def abort(self, error: BaseException) -> BaseException:
-        # As the sync twin: the ROLLBACK goes out with the audit row (or alone, in ``settle``).
+        # As the sync twin: the ROLLBACK (a replay's COMMIT) goes out with the audit row (or
+        # alone, in ``settle``).
         self.rollback_pending = not self.conn.closed and self.conn.info.transaction_status in _OPEN
+        self.commit_pending = self.rollback_pending and error is self.replay
         mapped = translate(error)
         if isinstance(mapped, BackendUnavailable):
             await self.store._forget_dead()
         return mapped
 
     async def settle(self) -> None:
-        """Roll back a transaction that ``abort`` left open (before the connection goes back)."""
+        """End a transaction that ``abort`` left open (before the connection goes back)."""
         conn = self.conn
-        self.rollback_pending = False
+        ending = "COMMIT" if self.commit_pending else "ROLLBACK"
+        self.rollback_pending = self.commit_pending = False
         if not conn.closed and conn.info.transaction_status in _OPEN:
             with contextlib.suppress(psycopg.Error):
-                await conn.execute("ROLLBACK")
+                await conn.execute(ending)
 
     async def record_failure(self, plan: FencePlan, entry: AuditEntry,
                              status: IntentStatus | None) -> None:
         params = _failure_params(plan, entry, status)
         if self.rollback_pending:
             self.rollback_pending = False
+            query = COMMIT_FAILURE if self.commit_pending else ROLLBACK_FAILURE
             try:
-                await psycopg.AsyncClientCursor(self.conn).execute(ROLLBACK_FAILURE, params)
+                await psycopg.AsyncClientCursor(self.conn).execute(query, params)
+                self.commit_pending = False
                 return
             except psycopg.Error:
                 await self.settle()

@@ -195,7 +195,7 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
 
     There is no separate ``begin_intent`` round trip: the fenced transaction's
     first statement creates and locks the intent row, and finds a replay
-    (``DuplicateIntent``, rolled back before the body runs) or a conflict
+    (``DuplicateIntent``: the body never runs; only its fence advance is committed) or a conflict
     (``IdempotencyConflict``) there. A replay therefore waits for the lock
     like any call; the body never runs twice.
     """

@@ -3,7 +3,9 @@
 A fenced write is one ``BEGIN IMMEDIATE`` transaction: SQLite then holds the
 database's single write lock until ``COMMIT``, so fenced writes are serialized
 outright, and the fence check-and-advance is one upsert per key (in sorted
-order) that returns nothing when the token is stale. The tables, triggers and
+order) that returns nothing when the token is stale. A replay (the intent was
+applied before) commits that fence advance and nothing else: the store has seen
+its tokens and refuses lower ones afterwards. The tables, triggers and
 statuses mirror ``toolguard/sql/001_initial.sql`` (see ``sql/sqlite``).
 
 Keep fenced bodies short: while one runs, every other writer of the file
@@ -282,6 +284,8 @@ class _Session:
         self.store = store
         self.conn = conn
         self.tx: FencedTransaction | AsyncFencedTransaction | None = None
+        #: The replay ``begin`` found: its fence advance is committed, not rolled back.
+        self.replay: DuplicateIntent | None = None
 
     def execute(self, query: str, params: Any, counted: bool = False) -> sqlite3.Cursor | Fetched:
         """One statement; ``counted``: its rows fetched at once, so that they can be counted
@@ -326,7 +330,8 @@ class _Session:
         if status == "applied":
             msg = (f"intent {intent.idempotency_key!r} was already applied; "
                    f"returning its recorded result")
-            raise DuplicateIntent(msg, result=_loads(result))
+            self.replay = DuplicateIntent(msg, result=_loads(result))
+            raise self.replay
         if status != "pending":  # reconciling a failed/unknown attempt ('pending': begin_intent counted it)
             conn.execute(COUNT_ATTEMPT, (intent.idempotency_key,))
 
@@ -353,6 +358,13 @@ class _Session:
         self.commit(tx, entry)
 
     def abort(self, error: BaseException) -> BaseException:
+        """End the failed transaction: a replay commits its fence advance (the store has
+        seen its tokens and must refuse lower ones), anything else rolls back."""
+        if self.conn.in_transaction and error is self.replay:
+            try:
+                self.conn.execute("COMMIT")
+            except sqlite3.Error as commit_error:  # the replay stands; the marks stay as they were
+                log.warning("could not commit a replay's fence advance: %s", commit_error)
         if self.conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
                 self.conn.execute("ROLLBACK")
