@@ -28,6 +28,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "asgi": ("starlette",),
     "mcp": ("fastmcp", "mcp"),
     "review": ("starlette", "jinja2", "uvicorn"),
+    "otel": ("opentelemetry",),
 }
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from toolguard import telemetry
 from toolguard.context import CallContext, bind
 from toolguard.decision import (
     FAILURE_TEMPLATE,
@@ -237,30 +238,31 @@ class ToolGuard:
         """
         started = time.monotonic()
         prepared: _Prepared | None = None
-        try:
-            locks, store = self._sync_edges()
-            prepared = self._prepare(intent)
-            self._wait_for_order(store, prepared)
-            if not prepared.keys:
-                return self._run_unlocked(intent, prepared, execute, started)
-            body = _Body(self, intent, prepared)
-            outcome = run_fenced(locks, store, prepared.keys, body.sync(execute),
-                                 intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
-                                 timeout_s=prepared.rule.wait_timeout_s)
-            return body.decision(outcome)
-        except BaseException as error:
-            if is_control_flow(error):
-                self._record_unknown(intent, prepared, error, started)
-                raise
-            if not isinstance(error, Exception):
-                raise
-            decision = self._refusal(intent, prepared, error)
-            if not was_audited(error):
-                self._audit(decision, prepared, started)
-            _log(decision)
-            if isinstance(error, ConfigurationError):
-                raise
-            return decision
+        with telemetry.start_call(intent, self.policy.tools) as call:
+            try:
+                locks, store = self._sync_edges()
+                prepared = self._traced_prepare(intent, call)
+                self._wait_for_order(store, prepared, call)
+                if not prepared.keys:
+                    return self._run_unlocked(intent, prepared, execute, started, call)
+                body = _Body(self, intent, prepared, call)
+                outcome = run_fenced(locks, store, prepared.keys, body.sync(execute),
+                                     intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
+                                     timeout_s=prepared.rule.wait_timeout_s)
+                return call.decided(body.decision(outcome))
+            except BaseException as error:
+                if is_control_flow(error):
+                    self._record_unknown(intent, prepared, error, started, call)
+                    raise
+                if not isinstance(error, Exception):
+                    raise
+                decision = call.decided(self._refusal(intent, prepared, error))
+                if not was_audited(error):
+                    self._audit(decision, prepared, started, call)
+                _log(decision)
+                if isinstance(error, ConfigurationError):
+                    raise
+                return decision
 
     def call(self, intent: Intent, execute: Callable[[CallContext], Any]) -> Any:
         """Like ``run``, but return the result or raise the typed error."""
@@ -273,41 +275,58 @@ class ToolGuard:
             raise GuardMisconfigured(msg)
         return self.locks, self.store
 
-    def _wait_for_order(self, store: GuardedStore, prepared: _Prepared) -> None:
+    def _traced_prepare(self, intent: Intent, call: telemetry.Call) -> _Prepared:
+        with call.step(telemetry.SPAN_VALIDATE):
+            prepared = self._prepare(intent)
+        call.prepared(prepared.keys, telemetry.traceable_key(
+            prepared.rule, self.policy, prepared.record.idempotency_key))
+        return prepared
+
+    def _wait_for_order(self, store: GuardedStore, prepared: _Prepared,
+                        call: telemetry.Call) -> None:
         if not prepared.after:
             return
-        wait = _OrderWait(prepared)
-        while (missing := next((c for c in wait.checks() if not store.has_applied(*c)), None)):
-            time.sleep(wait.pause_or_raise(missing))
+        wait = _OrderWait(prepared, call)
+        with call.step(telemetry.SPAN_ORDER_WAIT), wait:
+            while (missing := next((c for c in wait.checks() if not store.has_applied(*c)),
+                                   None)):
+                time.sleep(wait.pause_or_raise(missing))
 
     def _run_unlocked(self, intent: Intent, prepared: _Prepared,
-                      execute: Callable[[CallContext], Any], started: float) -> Decision:
-        with bind(self._context(intent, prepared, None)) as ctx:
+                      execute: Callable[[CallContext], Any], started: float,
+                      call: telemetry.Call) -> Decision:
+        with bind(self._context(intent, prepared, None)) as ctx, call.step(telemetry.SPAN_TOOL):
             result = execute(ctx)
-        decision = _accepted(intent, prepared, result, False, {})
-        self._audit(decision, prepared, started)
+        decision = call.decided(_accepted(intent, prepared, result, False, {}))
+        self._audit(decision, prepared, started, call)
         return decision
 
     def _record_unknown(self, intent: Intent, prepared: _Prepared | None, error: BaseException,
-                        started: float) -> None:
+                        started: float, call: telemetry.Call) -> None:
         """A cancelled or interrupted call: its outcome is unknown until the key is seen again."""
+        if prepared is not None:
+            call.decided(_unknown(intent, prepared, error))
         if self.store is None or prepared is None:
             return
         try:
-            if prepared.record.idempotency_key:
-                self.store.mark_unknown(prepared.record.idempotency_key, prepared.record)
-            if not was_audited(error):
-                self.store.audit(audit_entry(_unknown(intent, prepared, error), prepared.record,
-                                             started))
+            with call.step(telemetry.SPAN_AUDIT):
+                if prepared.record.idempotency_key:
+                    self.store.mark_unknown(prepared.record.idempotency_key, prepared.record)
+                if not was_audited(error):
+                    self.store.audit(audit_entry(_unknown(intent, prepared, error),
+                                                 prepared.record, started))
         except Exception as audit_error:  # never hide the interrupt behind a bookkeeping failure
             log.warning("could not record an interrupted call as unknown: %s", audit_error)
 
-    def _audit(self, decision: Decision, prepared: _Prepared | None, started: float) -> None:
+    def _audit(self, decision: Decision, prepared: _Prepared | None, started: float,
+               call: telemetry.Call) -> None:
         if self.store is None:
             log.warning("no sync store to audit %s/%s", decision.kind, decision.reason)
             return
         try:
-            self.store.audit(audit_entry(decision, prepared.record if prepared else None, started))
+            with call.step(telemetry.SPAN_AUDIT):
+                self.store.audit(audit_entry(decision, prepared.record if prepared else None,
+                                             started))
         except Exception as audit_error:  # the store may be what is down; the decision stands
             log.warning("could not audit %s/%s: %s", decision.kind, decision.reason, audit_error)
 
@@ -318,34 +337,38 @@ class ToolGuard:
         """The asyncio twin of ``run``; ``execute`` is a coroutine function."""
         started = time.monotonic()
         prepared: _Prepared | None = None
-        try:
-            locks, store = self._async_edges()
-            prepared = self._prepare(intent)
-            await self._await_order(store, prepared)
-            if not prepared.keys:
-                with bind(self._context(intent, prepared, None)) as ctx:
-                    result = await execute(ctx)
-                decision = _accepted(intent, prepared, result, False, {})
-                await self._aaudit(decision, prepared, started)
+        with telemetry.start_call(intent, self.policy.tools) as call:
+            try:
+                locks, store = self._async_edges()
+                prepared = self._traced_prepare(intent, call)
+                await self._await_order(store, prepared, call)
+                if not prepared.keys:
+                    with bind(self._context(intent, prepared, None)) as ctx, \
+                            call.step(telemetry.SPAN_TOOL):
+                        result = await execute(ctx)
+                    decision = call.decided(_accepted(intent, prepared, result, False, {}))
+                    await self._aaudit(decision, prepared, started, call)
+                    return decision
+                body = _Body(self, intent, prepared, call)
+                outcome = await arun_fenced(locks, store, prepared.keys,
+                                            body.asynchronous(execute), intent=prepared.record,
+                                            ttl_ms=prepared.rule.ttl_ms,
+                                            timeout_s=prepared.rule.wait_timeout_s)
+                return call.decided(body.decision(outcome))
+            except BaseException as error:
+                if is_control_flow(error):
+                    await asyncio.shield(self._arecord_unknown(intent, prepared, error, started,
+                                                               call))
+                    raise
+                if not isinstance(error, Exception):
+                    raise
+                decision = call.decided(self._refusal(intent, prepared, error))
+                if not was_audited(error):
+                    await self._aaudit(decision, prepared, started, call)
+                _log(decision)
+                if isinstance(error, ConfigurationError):
+                    raise
                 return decision
-            body = _Body(self, intent, prepared)
-            outcome = await arun_fenced(locks, store, prepared.keys, body.asynchronous(execute),
-                                        intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
-                                        timeout_s=prepared.rule.wait_timeout_s)
-            return body.decision(outcome)
-        except BaseException as error:
-            if is_control_flow(error):
-                await asyncio.shield(self._arecord_unknown(intent, prepared, error, started))
-                raise
-            if not isinstance(error, Exception):
-                raise
-            decision = self._refusal(intent, prepared, error)
-            if not was_audited(error):
-                await self._aaudit(decision, prepared, started)
-            _log(decision)
-            if isinstance(error, ConfigurationError):
-                raise
-            return decision
 
     async def acall(self, intent: Intent, execute: Callable[[CallContext], Awaitable[Any]]) -> Any:
         return (await self.arun(intent, execute)).raise_for_rejection()
@@ -358,44 +381,51 @@ class ToolGuard:
             raise GuardMisconfigured(msg)
         return self.async_locks, self.async_store
 
-    async def _await_order(self, store: AsyncGuardedStore, prepared: _Prepared) -> None:
+    async def _await_order(self, store: AsyncGuardedStore, prepared: _Prepared,
+                           call: telemetry.Call) -> None:
         if not prepared.after:
             return
-        wait = _OrderWait(prepared)
-        while True:
-            missing = None
-            for check in wait.checks():
-                if not await store.has_applied(*check):
-                    missing = check
-                    break
-            if missing is None:
-                return
-            await asyncio.sleep(wait.pause_or_raise(missing))
+        wait = _OrderWait(prepared, call)
+        with call.step(telemetry.SPAN_ORDER_WAIT), wait:
+            while True:
+                missing = None
+                for check in wait.checks():
+                    if not await store.has_applied(*check):
+                        missing = check
+                        break
+                if missing is None:
+                    return
+                await asyncio.sleep(wait.pause_or_raise(missing))
 
     async def _arecord_unknown(self, intent: Intent, prepared: _Prepared | None,
-                               error: BaseException, started: float) -> None:
+                               error: BaseException, started: float,
+                               call: telemetry.Call) -> None:
+        if prepared is not None:
+            call.decided(_unknown(intent, prepared, error))
         if self.async_store is None or prepared is None:
             return
         try:
-            if prepared.record.idempotency_key:
-                await self.async_store.mark_unknown(prepared.record.idempotency_key,
-                                                    prepared.record)
-            if not was_audited(error):
-                await self.async_store.audit(audit_entry(_unknown(intent, prepared, error),
-                                                         prepared.record, started))
+            with call.step(telemetry.SPAN_AUDIT):
+                if prepared.record.idempotency_key:
+                    await self.async_store.mark_unknown(prepared.record.idempotency_key,
+                                                        prepared.record)
+                if not was_audited(error):
+                    await self.async_store.audit(audit_entry(_unknown(intent, prepared, error),
+                                                             prepared.record, started))
         except Exception as audit_error:
             log.warning("could not record an interrupted call as unknown: %s", audit_error)
 
     async def _aaudit(self, decision: Decision, prepared: _Prepared | None,
-                      started: float) -> None:
+                      started: float, call: telemetry.Call) -> None:
         entry = audit_entry(decision, prepared.record if prepared else None, started)
         try:
-            if self.async_store is not None:
-                await self.async_store.audit(entry)
-            elif self.store is not None:  # a sync-only guard on the async path: still audited
-                await asyncio.to_thread(self.store.audit, entry)
-            else:
-                log.warning("no store to audit %s/%s", decision.kind, decision.reason)
+            with call.step(telemetry.SPAN_AUDIT):
+                if self.async_store is not None:
+                    await self.async_store.audit(entry)
+                elif self.store is not None:  # a sync-only guard on the async path: still audited
+                    await asyncio.to_thread(self.store.audit, entry)
+                else:
+                    log.warning("no store to audit %s/%s", decision.kind, decision.reason)
         except Exception as audit_error:
             log.warning("could not audit %s/%s: %s", decision.kind, decision.reason, audit_error)
 
@@ -411,17 +441,20 @@ class _Body:
     masked for the store (what a replay returns), in clear for the caller.
     """
 
-    __slots__ = ("clear", "guard", "intent", "prepared")
+    __slots__ = ("call", "clear", "guard", "intent", "prepared")
 
-    def __init__(self, guard: ToolGuard, intent: Intent, prepared: _Prepared) -> None:
+    def __init__(self, guard: ToolGuard, intent: Intent, prepared: _Prepared,
+                 call: telemetry.Call) -> None:
         self.guard = guard
         self.intent = intent
         self.prepared = prepared
+        self.call = call
         self.clear: Any = None
 
     def sync(self, execute: Callable[[CallContext], Any]) -> Callable[[FencedTransaction], Any]:
         def body(tx: FencedTransaction) -> Any:
-            with bind(self.guard._context(self.intent, self.prepared, tx)) as ctx:
+            with bind(self.guard._context(self.intent, self.prepared, tx)) as ctx, \
+                    self.call.step(telemetry.SPAN_TOOL):
                 try:
                     value = execute(ctx)
                 except Exception as error:
@@ -433,7 +466,8 @@ class _Body:
     def asynchronous(self, execute: Callable[[CallContext], Awaitable[Any]]
                      ) -> Callable[[AsyncFencedTransaction], Awaitable[Any]]:
         async def body(tx: AsyncFencedTransaction) -> Any:
-            with bind(self.guard._context(self.intent, self.prepared, tx)) as ctx:
+            with bind(self.guard._context(self.intent, self.prepared, tx)) as ctx, \
+                    self.call.step(telemetry.SPAN_TOOL):
                 try:
                     value = await execute(ctx)
                 except Exception as error:
@@ -492,12 +526,29 @@ def _log(decision: Decision) -> None:
 
 
 class _OrderWait:
-    """The bounded wait of an ``after:`` rule: what to check, and how long to pause between looks."""
+    """The bounded wait of an ``after:`` rule: what to check, and how long to pause between looks.
 
-    def __init__(self, prepared: _Prepared) -> None:
+    As a context manager around the wait, it reports a wait that paused at least once
+    (``toolguard.order.waits``), satisfied or ended ``out_of_order``.
+    """
+
+    def __init__(self, prepared: _Prepared, call: telemetry.Call) -> None:
         self.prepared = prepared
-        self.deadline = time.monotonic() + prepared.rule.after_wait_s
+        self.call = call
+        self.started = time.monotonic()
+        self.deadline = self.started + prepared.rule.after_wait_s
         self.pause = _ORDER_POLL_MIN_S
+        self.paused = False
+
+    def __enter__(self) -> _OrderWait:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: object) -> None:
+        if self.paused:
+            outcome = "satisfied" if error is None else \
+                ("out_of_order" if isinstance(error, OutOfOrder) else "error")
+            self.call.order_waited(time.monotonic() - self.started, outcome)
 
     def checks(self) -> Iterator[tuple[str, str]]:
         """``(earlier tool, resource key)`` pairs whose applied record must exist."""
@@ -511,6 +562,7 @@ class _OrderWait:
         if left <= 0:
             raise _out_of_order(self.prepared, missing)
         pause, self.pause = min(self.pause, left), min(self.pause * 2, _ORDER_POLL_MAX_S)
+        self.paused = True
         return pause
 
 

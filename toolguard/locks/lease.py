@@ -110,6 +110,7 @@ class Lease:
             self.lost_event.set()
             callbacks, self._callbacks = self._callbacks, []
         log.warning("lease lost: %s", error)
+        _count_lost(error)
         for callback in callbacks:
             try:
                 callback(self)
@@ -134,6 +135,16 @@ class Lease:
     def __repr__(self) -> str:
         state = "lost" if self.lost_event.is_set() else ("released" if self.released else "held")
         return f"Lease(keys={list(self.keys)}, tokens={dict(self.tokens)}, {state})"
+
+
+def _count_lost(error: LockLost) -> None:
+    """``toolguard.leases.lost``; imported here, on the rare loss, to keep ``import`` light."""
+    try:
+        from toolguard import telemetry
+
+        telemetry.lease_lost(error.reason)
+    except Exception:  # a metrics failure must not stop the renewal loop
+        log.exception("could not count a lost lease")
 
 
 class Heartbeat:

@@ -40,10 +40,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from toolguard import telemetry
 from toolguard.errors import BackendUnavailable, DuplicateIntent, StaleFencingToken, ToolGuardError
 from toolguard.locks.base import canonical_keys
 from toolguard.store.base import (
@@ -198,24 +200,31 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
     like any call; the body never runs twice.
     """
     ordered = canonical_keys(keys)
+    probe = telemetry.start_fenced(intent)
     for attempt in (1, 2):
-        lease = locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s)
+        lease = probe.acquire(lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s),
+                              ordered, attempt)
+        held_since = time.monotonic()
         try:
-            with store.fenced(lease, intent) as tx:
+            with probe.transaction(lease, attempt), store.fenced(lease, intent) as tx:
                 value = body(tx)
                 if not tx.recorded:
                     tx.record(value)
             return Outcome(tx.result, tokens=dict(lease.tokens), reseeded=attempt > 1)
         except DuplicateIntent as duplicate:
+            probe.replayed()
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
         except StaleFencingToken as stale:
-            if attempt > 1 or not reseed_on_regression or \
-                    not reseed_if_regressed(locks, store, lease, stale):
+            regressed = attempt == 1 and reseed_on_regression and _regressed(lease, stale)
+            probe.stale(reseeded=regressed)
+            if not regressed:
                 raise
+            reseed(locks, store, lease.keys)
         finally:
             with contextlib.suppress(Exception):
                 lease.release()
+            probe.released(held_since)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -227,22 +236,30 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
                       reseed_on_regression: bool = True) -> Outcome[Any]:
     """The asyncio twin of ``run_fenced``; ``body`` is a coroutine function."""
     ordered = canonical_keys(keys)
+    probe = telemetry.start_fenced(intent)
     for attempt in (1, 2):
-        lease = await locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s)
+        lease = await probe.aacquire(
+            lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s), ordered, attempt)
+        held_since = time.monotonic()
         try:
-            async with store.fenced(lease, intent) as tx:
-                value = await body(tx)
-                if not tx.recorded:
-                    tx.record(value)
+            with probe.transaction(lease, attempt):
+                async with store.fenced(lease, intent) as tx:
+                    value = await body(tx)
+                    if not tx.recorded:
+                        tx.record(value)
             return Outcome(tx.result, tokens=dict(lease.tokens), reseeded=attempt > 1)
         except DuplicateIntent as duplicate:
+            probe.replayed()
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
         except StaleFencingToken as stale:
-            if attempt > 1 or not reseed_on_regression or \
-                    not await areseed_if_regressed(locks, store, lease, stale):
+            regressed = attempt == 1 and reseed_on_regression and _regressed(lease, stale)
+            probe.stale(reseeded=regressed)
+            if not regressed:
                 raise
+            await areseed(locks, store, lease.keys)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(lease.arelease())
+            probe.released(held_since)
     raise AssertionError("unreachable")  # pragma: no cover
