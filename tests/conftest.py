@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -78,3 +80,49 @@ def _no_terminal_size(monkeypatch: pytest.MonkeyPatch) -> None:
     workers, a CI shell) would make the CLI wrap at that width instead."""
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
+
+
+# --- the fault scenarios x invariants table ------------------------------------------------------
+# Scenarios record their cells in fault.report.RESULTS in the process that ran them. Each
+# test's new rows ride on its report (user_properties), so the table is also whole when
+# pytest-xdist runs the tests in worker processes; the controlling process prints it.
+
+_SENT: set[str] = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "teardown" or "fault.report" not in sys.modules:
+        return
+    from fault.report import RESULTS
+
+    for scenario, cells in RESULTS.items():
+        if scenario not in _SENT:
+            _SENT.add(scenario)
+            report.user_properties.append(
+                ("fault_scenario", (scenario, {k: (c.ok, c.detail) for k, c in cells.items()})))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    rows = [value for name, value in report.user_properties if name == "fault_scenario"]
+    if not rows:
+        return
+    from fault.report import RESULTS
+    from fault.workload import Cell
+
+    for scenario, cells in rows:
+        RESULTS.setdefault(scenario, {k: Cell(ok, detail) for k, (ok, detail) in cells.items()})
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if "fault.report" not in sys.modules:
+        return
+    from fault.report import RESULTS, table
+
+    if not RESULTS:
+        return
+    terminalreporter.section("fault scenarios x invariants")
+    for line in table(details=config.get_verbosity() > 0):
+        terminalreporter.write_line(line)

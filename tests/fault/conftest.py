@@ -23,8 +23,6 @@ from proxy import TcpProxy
 from servers import private_redis  # noqa: F401  (fixture)
 from store.envs import drop_schema
 
-from fault.report import RESULTS, table
-
 
 class DurablePgServer(PgServer):
     """A private PostgreSQL whose commits survive a SIGKILL of every server process.
@@ -132,9 +130,3 @@ def pg_schema(postgres_url: str, unique: str) -> Iterator[str]:
         drop_schema(postgres_url, schema)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if not RESULTS:
-        return
-    terminalreporter.section("fault scenarios x invariants")
-    for line in table(details=config.get_verbosity() > 0):
-        terminalreporter.write_line(line)
