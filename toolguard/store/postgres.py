@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -53,9 +54,11 @@ from datetime import datetime
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar, cast
 
 import psycopg
-from psycopg import sql
+from psycopg import generators, sql
+from psycopg.adapt import Transformer
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.pq import TransactionStatus
+from psycopg.errors import error_from_result
+from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from toolguard.errors import (
@@ -402,6 +405,86 @@ def _ended(tx_status: TransactionStatus) -> StoreError | None:
     return StoreError(msg, reason="transaction_ended")
 
 
+# --- the hot path's statements, sent as one simple query -----------------------------------
+#
+# ``enter`` and ``finish`` send a fixed template whose parameters are plain values (text,
+# integers, floats, None). psycopg's ``ClientCursor`` would quote them the same way, but
+# its per-call machinery (query conversion, one dumper per value, cursor and result
+# objects) costs more client CPU than the round trip. The values are still never
+# formatted into SQL by hand: each becomes one quoted literal (``_literal``), and any
+# value of another type, or a connection whose literals follow other rules, takes the
+# ``ClientCursor`` path instead.
+
+
+def _template(query: str) -> tuple[bytes, ...]:
+    """``query`` split at its ``%s`` placeholders (it must hold no other ``%``)."""
+    parts = tuple(part.encode() for part in query.split("%s"))
+    if any(b"%" in part for part in parts):
+        msg = f"a hot-path template takes only %s placeholders: {query!r}"
+        raise AssertionError(msg)
+    return parts
+
+
+_ENTER_PARTS = _template(ENTER_TX)
+_FINISH_PARTS = _template(FINISH_TX)
+_FINISH_NO_INTENT_PARTS = _template(FINISH_TX_NO_INTENT)
+_NUL_TEXT = "PostgreSQL text fields cannot contain NUL (0x00) bytes"
+
+
+def _literal(value: Any) -> bytes | None:
+    """One SQL literal for ``value`` (standard_conforming_strings on, UTF-8), or None if
+    ``value`` is not of a type this path quotes."""
+    kind = type(value)
+    if kind is str:
+        if "\x00" in value:
+            raise psycopg.DataError(_NUL_TEXT)
+        return b"'" + value.encode("utf-8").replace(b"'", b"''") + b"'"
+    if value is None:
+        return b"NULL"
+    if kind is int:
+        return b"'%d'" % value
+    if kind is float and math.isfinite(value):
+        return b"'" + repr(value).encode() + b"'"
+    if kind is bool:
+        return b"true" if value else b"false"
+    return None
+
+
+def _plain_literals(conn: psycopg.Connection[Any]) -> bool:
+    """Whether ``_literal``'s quoting is the connection's own (the usual server settings)."""
+    pgconn = conn.pgconn
+    return (pgconn.parameter_status(b"standard_conforming_strings") == b"on"
+            and conn.info.encoding == "utf-8")
+
+
+def _simple_query(conn: psycopg.Connection[Any], parts: tuple[bytes, ...],
+                  params: Sequence[Any]) -> list[Any] | None:
+    """Send ``parts`` with ``params`` quoted in as one message; its results, or None
+    (nothing sent) when a value or the connection needs ``ClientCursor``'s quoting.
+
+    Raises the ``psycopg.Error`` of the first statement that failed, as a cursor would.
+    """
+    if len(params) != len(parts) - 1 or not _plain_literals(conn):
+        return None
+    chunks = [parts[0]]
+    for value, tail in zip(params, parts[1:], strict=True):
+        quoted = _literal(value)
+        if quoted is None:
+            return None
+        chunks.append(quoted)
+        chunks.append(tail)
+    query = b"".join(chunks)
+    if conn.closed:
+        raise psycopg.OperationalError("the connection is closed")
+    with conn.lock:
+        conn.pgconn.send_query(query)
+        results = conn.wait(generators.execute(conn.pgconn))
+    for result in results:
+        if result.status == ExecStatus.FATAL_ERROR:
+            raise error_from_result(result, encoding=conn.info.encoding)
+    return results
+
+
 class _PgBase:
     dialect = DIALECT
 
@@ -463,13 +546,25 @@ class _Session:
 
     def enter(self, plan: FencePlan) -> FencedTransaction:
         conn = self.conn
-        cursor = psycopg.ClientCursor(conn)
-        cursor.execute(ENTER_TX, _enter_params(plan))
-        cursor.nextset()  # past BEGIN's empty result
-        row = cursor.fetchone()
-        assert row is not None
-        if row[0]:
-            self.replay = _duplicate(plan, row[1])
+        params = _enter_params(plan)
+        results = _simple_query(conn, _ENTER_PARTS, params)
+        if results is None:
+            cursor = psycopg.ClientCursor(conn)
+            cursor.execute(ENTER_TX, params)
+            cursor.nextset()  # past BEGIN's empty result
+            row = cursor.fetchone()
+            assert row is not None
+            applied, result = row
+        else:
+            found = results[-1]  # past BEGIN's empty result
+            applied = found.get_value(0, 0) == b"t"
+            result = None
+            if applied:  # a replay: its result loaded as psycopg loads it
+                loader = Transformer(conn)
+                loader.set_pgresult(found)
+                result = loader.load_row(0, tuple)[1]
+        if applied:
+            self.replay = _duplicate(plan, result)
             raise self.replay
         self.tx = FencedTransaction(conn, plan, DIALECT, self._execute)
         return self.tx
@@ -481,7 +576,9 @@ class _Session:
         if problem is not None:
             raise problem
         query, params = _finish_params(tx, entry)
-        psycopg.ClientCursor(self.conn).execute(query, params)
+        parts = _FINISH_PARTS if query is FINISH_TX else _FINISH_NO_INTENT_PARTS
+        if _simple_query(self.conn, parts, params) is None:
+            psycopg.ClientCursor(self.conn).execute(query, params)
 
     def abort(self, error: BaseException) -> BaseException:
         # The ROLLBACK (a replay's COMMIT) goes out with the failure's audit row, in one
