@@ -54,11 +54,9 @@ from datetime import datetime
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar, cast
 
 import psycopg
-from psycopg import generators, sql
-from psycopg.adapt import Transformer
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.errors import error_from_result
-from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from toolguard.errors import (
@@ -405,15 +403,15 @@ def _ended(tx_status: TransactionStatus) -> StoreError | None:
     return StoreError(msg, reason="transaction_ended")
 
 
-# --- the hot path's statements, sent as one simple query -----------------------------------
+# --- the hot path's statements ------------------------------------------------------------
 #
 # ``enter`` and ``finish`` send a fixed template whose parameters are plain values (text,
-# integers, floats, None). psycopg's ``ClientCursor`` would quote them the same way, but
-# its per-call machinery (query conversion, one dumper per value, cursor and result
-# objects) costs more client CPU than the round trip. The values are still never
-# formatted into SQL by hand: each becomes one quoted literal (``_literal``), and any
-# value of another type, or a connection whose literals follow other rules, takes the
-# ``ClientCursor`` path instead.
+# integers, floats, None), with client-side binding. psycopg's ``ClientCursor`` quotes
+# each value through its adapters (one dumper lookup and call per value) and counts the
+# merged text for statement preparation (never useful: the values differ every time).
+# ``_HotCursor`` fills these templates itself: each value still becomes one quoted
+# literal (``_literal``), never formatted into SQL by hand, and a value of another type,
+# or a connection whose literals follow other rules, takes ``ClientCursor``'s own path.
 
 
 def _template(query: str) -> tuple[bytes, ...]:
@@ -425,9 +423,7 @@ def _template(query: str) -> tuple[bytes, ...]:
     return parts
 
 
-_ENTER_PARTS = _template(ENTER_TX)
-_FINISH_PARTS = _template(FINISH_TX)
-_FINISH_NO_INTENT_PARTS = _template(FINISH_TX_NO_INTENT)
+_TEMPLATES = {query: _template(query) for query in (ENTER_TX, FINISH_TX, FINISH_TX_NO_INTENT)}
 _NUL_TEXT = "PostgreSQL text fields cannot contain NUL (0x00) bytes"
 
 
@@ -450,21 +446,8 @@ def _literal(value: Any) -> bytes | None:
     return None
 
 
-def _plain_literals(conn: psycopg.Connection[Any]) -> bool:
-    """Whether ``_literal``'s quoting is the connection's own (the usual server settings)."""
-    pgconn = conn.pgconn
-    return (pgconn.parameter_status(b"standard_conforming_strings") == b"on"
-            and conn.info.encoding == "utf-8")
-
-
-def _simple_query(conn: psycopg.Connection[Any], parts: tuple[bytes, ...],
-                  params: Sequence[Any]) -> list[Any] | None:
-    """Send ``parts`` with ``params`` quoted in as one message; its results, or None
-    (nothing sent) when a value or the connection needs ``ClientCursor``'s quoting.
-
-    Raises the ``psycopg.Error`` of the first statement that failed, as a cursor would.
-    """
-    if len(params) != len(parts) - 1 or not _plain_literals(conn):
+def _filled(parts: tuple[bytes, ...], params: Sequence[Any]) -> bytes | None:
+    if len(params) != len(parts) - 1:
         return None
     chunks = [parts[0]]
     for value, tail in zip(params, parts[1:], strict=True):
@@ -473,16 +456,24 @@ def _simple_query(conn: psycopg.Connection[Any], parts: tuple[bytes, ...],
             return None
         chunks.append(quoted)
         chunks.append(tail)
-    query = b"".join(chunks)
-    if conn.closed:
-        raise psycopg.OperationalError("the connection is closed")
-    with conn.lock:
-        conn.pgconn.send_query(query)
-        results = conn.wait(generators.execute(conn.pgconn))
-    for result in results:
-        if result.status == ExecStatus.FATAL_ERROR:
-            raise error_from_result(result, encoding=conn.info.encoding)
-    return results
+    return b"".join(chunks)
+
+
+class _HotCursor(psycopg.ClientCursor[Any]):
+    """A ``ClientCursor`` that fills the hot-path templates with ``_literal``."""
+
+    def _convert_query(self, query: Any, params: Any = None) -> Any:
+        parts = _TEMPLATES.get(query) if type(query) is str and params is not None else None
+        if parts is not None:
+            pgconn = self._conn.pgconn
+            if (pgconn.parameter_status(b"standard_conforming_strings") == b"on"
+                    and self._conn.info.encoding == "utf-8"):
+                built = _filled(parts, params)
+                if built is not None:
+                    pgq = self._query_cls(self._tx)
+                    pgq.query = built
+                    return pgq
+        return super()._convert_query(query, params)
 
 
 class _PgBase:
@@ -546,25 +537,13 @@ class _Session:
 
     def enter(self, plan: FencePlan) -> FencedTransaction:
         conn = self.conn
-        params = _enter_params(plan)
-        results = _simple_query(conn, _ENTER_PARTS, params)
-        if results is None:
-            cursor = psycopg.ClientCursor(conn)
-            cursor.execute(ENTER_TX, params)
-            cursor.nextset()  # past BEGIN's empty result
-            row = cursor.fetchone()
-            assert row is not None
-            applied, result = row
-        else:
-            found = results[-1]  # past BEGIN's empty result
-            applied = found.get_value(0, 0) == b"t"
-            result = None
-            if applied:  # a replay: its result loaded as psycopg loads it
-                loader = Transformer(conn)
-                loader.set_pgresult(found)
-                result = loader.load_row(0, tuple)[1]
-        if applied:
-            self.replay = _duplicate(plan, result)
+        cursor = _HotCursor(conn)
+        cursor.execute(ENTER_TX, _enter_params(plan), prepare=False)
+        cursor.nextset()  # past BEGIN's empty result
+        row = cursor.fetchone()
+        assert row is not None
+        if row[0]:
+            self.replay = _duplicate(plan, row[1])
             raise self.replay
         self.tx = FencedTransaction(conn, plan, DIALECT, self._execute)
         return self.tx
@@ -576,9 +555,7 @@ class _Session:
         if problem is not None:
             raise problem
         query, params = _finish_params(tx, entry)
-        parts = _FINISH_PARTS if query is FINISH_TX else _FINISH_NO_INTENT_PARTS
-        if _simple_query(self.conn, parts, params) is None:
-            psycopg.ClientCursor(self.conn).execute(query, params)
+        _HotCursor(self.conn).execute(query, params, prepare=False)
 
     def abort(self, error: BaseException) -> BaseException:
         # The ROLLBACK (a replay's COMMIT) goes out with the failure's audit row, in one
