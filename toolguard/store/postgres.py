@@ -54,7 +54,7 @@ from datetime import datetime
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar, cast
 
 import psycopg
-from psycopg import sql
+from psycopg import generators, sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
@@ -447,33 +447,67 @@ def _literal(value: Any) -> bytes | None:
 
 
 def _filled(parts: tuple[bytes, ...], params: Sequence[Any]) -> bytes | None:
+    """``parts`` joined by the literals of ``params``; None if one needs psycopg's quoting."""
     if len(params) != len(parts) - 1:
         return None
     chunks = [parts[0]]
+    append = chunks.append
     for value, tail in zip(params, parts[1:], strict=True):
-        quoted = _literal(value)
-        if quoted is None:
-            return None
-        chunks.append(quoted)
-        chunks.append(tail)
+        if type(value) is str:  # the usual value: inline, the rest through _literal
+            if "\x00" in value:
+                raise psycopg.DataError(_NUL_TEXT)
+            append(b"'" + value.encode("utf-8").replace(b"'", b"''") + b"'")
+        elif value is None:
+            append(b"NULL")
+        else:
+            quoted = _literal(value)
+            if quoted is None:
+                return None
+            append(quoted)
+        append(tail)
     return b"".join(chunks)
 
 
 class _HotCursor(psycopg.ClientCursor[Any]):
-    """A ``ClientCursor`` that fills the hot-path templates with ``_literal``."""
+    """A ``ClientCursor`` that fills the hot-path templates with ``_literal`` and sends them
+    as one simple query, past the prepared-statement bookkeeping (never prepared: the
+    merged text differs on every call). Anything else is ``ClientCursor``'s own path."""
 
-    def _convert_query(self, query: Any, params: Any = None) -> Any:
+    def _execute_gen(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                     binary: bool | None = None) -> Any:
+        built = self._hot(query, params)
+        if built is None:
+            return (yield from super()._execute_gen(query, params, prepare=prepare,
+                                                    binary=binary))
+        yield from self._start_query(query)
+        pgconn = self._pgconn
+        pgconn.send_query(built)
+        results = yield from generators.execute(pgconn)
+        self._check_results(results)
+        self._set_results(results)
+        self._last_query = query
+        return None
+
+    def _hot(self, query: Any, params: Any) -> bytes | None:
         parts = _TEMPLATES.get(query) if type(query) is str and params is not None else None
-        if parts is not None:
-            pgconn = self._conn.pgconn
-            if (pgconn.parameter_status(b"standard_conforming_strings") == b"on"
-                    and self._conn.info.encoding == "utf-8"):
-                built = _filled(parts, params)
-                if built is not None:
-                    pgq = self._query_cls(self._tx)
-                    pgq.query = built
-                    return pgq
-        return super()._convert_query(query, params)
+        conn = self._conn
+        if parts is None or conn._pipeline is not None or (
+                self._pgconn.parameter_status(b"standard_conforming_strings") != b"on"
+                or conn.info.encoding != "utf-8"):
+            return None
+        return _filled(parts, params)
+
+
+def _hot_cursor(conn: psycopg.Connection[Any], slot: str) -> _HotCursor:
+    """The connection's own ``_HotCursor`` for one template (``slot``), made once.
+
+    One per template: a cursor keeps its adapters while it runs the same query
+    object again, which saves building them on every call.
+    """
+    cursor = conn.__dict__.get(slot)
+    if cursor is None:
+        cursor = conn.__dict__[slot] = _HotCursor(conn)
+    return cast(_HotCursor, cursor)
 
 
 class _PgBase:
@@ -537,7 +571,7 @@ class _Session:
 
     def enter(self, plan: FencePlan) -> FencedTransaction:
         conn = self.conn
-        cursor = _HotCursor(conn)
+        cursor = _hot_cursor(conn, "_toolguard_enter")
         cursor.execute(ENTER_TX, _enter_params(plan), prepare=False)
         cursor.nextset()  # past BEGIN's empty result
         row = cursor.fetchone()
@@ -555,7 +589,7 @@ class _Session:
         if problem is not None:
             raise problem
         query, params = _finish_params(tx, entry)
-        _HotCursor(self.conn).execute(query, params, prepare=False)
+        _hot_cursor(self.conn, "_toolguard_finish").execute(query, params, prepare=False)
 
     def abort(self, error: BaseException) -> BaseException:
         # The ROLLBACK (a replay's COMMIT) goes out with the failure's audit row, in one
