@@ -574,11 +574,14 @@ class _Session:
         cursor = _hot_cursor(conn, "_toolguard_enter")
         cursor.execute(ENTER_TX, _enter_params(plan), prepare=False)
         cursor.nextset()  # past BEGIN's empty result
-        row = cursor.fetchone()
-        assert row is not None
-        if row[0]:
-            self.replay = _duplicate(plan, row[1])
-            raise self.replay
+        found = cursor.pgresult
+        # The usual answer, "not applied", read without loading the row.
+        if found is None or found.ntuples != 1 or found.get_value(0, 0) != b"f":
+            row = cursor.fetchone()
+            assert row is not None
+            if row[0]:
+                self.replay = _duplicate(plan, row[1])
+                raise self.replay
         self.tx = FencedTransaction(conn, plan, DIALECT, self._execute)
         return self.tx
 
