@@ -1,7 +1,8 @@
 """The cost of a guarded tool call beside the same mutation locked by hand, and done bare.
 
     python benchmarks/guard.py [--redis-url URL] [--database-url URL] [--seconds S]
-                               [--quick] [--plain] [--profile N [--top K] [--profile-only]]
+                               [--quick] [--plain] [--locks-url URL]
+                               [--profile N [--top K] [--profile-only]]
 
 One mutation: add ``delta`` to one lead's score (``UPDATE lead SET score =
 score + %s WHERE id = %s RETURNING score``) in a table of 1,000 leads.
@@ -85,6 +86,8 @@ class Setup:
     database_url: str
     redis_url: str
     run: str
+    #: The guard's lock backend (``toolguard.locks.connect`` URL); None: ``redis_url``.
+    locks_url: str | None = None
 
     def __post_init__(self) -> None:
         from toolguard.adapters import guarded
@@ -113,7 +116,10 @@ class Setup:
         self.pool.wait()
         self.store = open_store(self.database_url, install=True, schema=self.schema,
                                 min_size=size, max_size=size)
-        self.locks = connect(self.redis_url, prefix=f"tgbench:{self.run}")
+        if self.locks_url is None:
+            self.locks = connect(self.redis_url, prefix=f"tgbench:{self.run}")
+        else:
+            self.locks = connect(self.locks_url)
         policy = Policy.from_dict({"version": 1, "tools": {"add_score": {
             "locks": ["lead:{lead_id}"], "agents": ["scorer"],
             "args": {"delta": {"ge": -100, "le": 100}}}}})
@@ -365,13 +371,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="also profile N guarded calls with cProfile")
     parser.add_argument("--top", type=int, default=25, metavar="K",
                         help="rows of each profile listing (default 25)")
+    parser.add_argument("--locks-url", default=None, metavar="URL",
+                        help="the guard's lock backend instead of --redis-url, e.g. the "
+                             "PostgreSQL URL for a PostgreSQL-only setup (the hand-written "
+                             "baseline keeps its Redis lock)")
     parser.add_argument("--profile-only", action="store_true",
                         help="skip the measurements: only the profile (with --profile N)")
     args = parser.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else (2.0 if args.quick else 12.0)
 
     try:
-        setup = Setup(args.database_url, args.redis_url, uuid.uuid4().hex[:10])
+        setup = Setup(args.database_url, args.redis_url, uuid.uuid4().hex[:10], args.locks_url)
     except Exception as error:
         print(f"cannot set up the benchmark (PostgreSQL {args.database_url}, "
               f"Redis {args.redis_url}): {error}")
@@ -384,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"toolguard guarded call vs a hand-written Redis lock + transaction and the bare "
               f"transaction; {LEADS:,} leads; python {sys.version.split()[0]}; "
-              f"{seconds:g} s per phase")
+              f"{seconds:g} s per phase; guard's locks: "
+              f"{setup.locks.backend.info.name}")
         impls: dict[str, Callable[[str], None]] = {
             "bare": setup.bare, "hand-written": setup.hand, "guarded": setup.guarded}
         samples = latency(setup, impls, seconds, rounds=10 if not args.quick else 4)

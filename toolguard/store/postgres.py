@@ -414,10 +414,10 @@ def _ended(tx_status: TransactionStatus) -> StoreError | None:
 # or a connection whose literals follow other rules, takes ``ClientCursor``'s own path.
 
 
-def _template(query: str) -> tuple[bytes, ...]:
+def _template(query: str) -> tuple[str, ...]:
     """``query`` split at its ``%s`` placeholders (it must hold no other ``%``)."""
-    parts = tuple(part.encode() for part in query.split("%s"))
-    if any(b"%" in part for part in parts):
+    parts = tuple(query.split("%s"))
+    if any("%" in part for part in parts):
         msg = f"a hot-path template takes only %s placeholders: {query!r}"
         raise AssertionError(msg)
     return parts
@@ -427,27 +427,28 @@ _TEMPLATES = {query: _template(query) for query in (ENTER_TX, FINISH_TX, FINISH_
 _NUL_TEXT = "PostgreSQL text fields cannot contain NUL (0x00) bytes"
 
 
-def _literal(value: Any) -> bytes | None:
-    """One SQL literal for ``value`` (standard_conforming_strings on, UTF-8), or None if
-    ``value`` is not of a type this path quotes."""
+def _literal(value: Any) -> str | None:
+    """One SQL literal for ``value`` (standard_conforming_strings on), or None if ``value``
+    is not of a type this path quotes."""
     kind = type(value)
     if kind is str:
         if "\x00" in value:
             raise psycopg.DataError(_NUL_TEXT)
-        return b"'" + value.encode("utf-8").replace(b"'", b"''") + b"'"
+        return "'" + value.replace("'", "''") + "'"
     if value is None:
-        return b"NULL"
+        return "NULL"
     if kind is int:
-        return b"'%d'" % value
+        return f"'{value:d}'"
     if kind is float and math.isfinite(value):
-        return b"'" + repr(value).encode() + b"'"
+        return f"'{value!r}'"
     if kind is bool:
-        return b"true" if value else b"false"
+        return "true" if value else "false"
     return None
 
 
-def _filled(parts: tuple[bytes, ...], params: Sequence[Any]) -> bytes | None:
-    """``parts`` joined by the literals of ``params``; None if one needs psycopg's quoting."""
+def _filled(parts: tuple[str, ...], params: Sequence[Any]) -> bytes | None:
+    """``parts`` joined by the literals of ``params`` (UTF-8); None if a value needs
+    psycopg's own quoting."""
     if len(params) != len(parts) - 1:
         return None
     chunks = [parts[0]]
@@ -456,16 +457,16 @@ def _filled(parts: tuple[bytes, ...], params: Sequence[Any]) -> bytes | None:
         if type(value) is str:  # the usual value: inline, the rest through _literal
             if "\x00" in value:
                 raise psycopg.DataError(_NUL_TEXT)
-            append(b"'" + value.encode("utf-8").replace(b"'", b"''") + b"'")
+            append("'" + value.replace("'", "''") + "'")
         elif value is None:
-            append(b"NULL")
+            append("NULL")
         else:
             quoted = _literal(value)
             if quoted is None:
                 return None
             append(quoted)
         append(tail)
-    return b"".join(chunks)
+    return "".join(chunks).encode("utf-8")
 
 
 class _HotCursor(psycopg.ClientCursor[Any]):
