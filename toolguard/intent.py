@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NoReturn
@@ -155,7 +156,12 @@ def default_idempotency_key(intent: Intent, scope: IdempotencyScope = "thread") 
     return None
 
 
+_UNQUOTED = re.compile(r"[A-Za-z0-9_.~-]*")
+
+
 def _part(text: str) -> str:
+    if _UNQUOTED.fullmatch(text):  # nothing ``quote`` would change
+        return text
     return quote(text, safe="", errors="surrogatepass")
 
 
@@ -195,10 +201,16 @@ def json_args(args: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     return dict(to_jsonable_python(dict(args)))
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
+
+
 def canonical_json(value: Any) -> str:
     """Sorted keys, no spaces, UTF-8 text, no NaN: equal values give equal text."""
-    return json.dumps(to_jsonable_python(value), sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False, allow_nan=False)
+    try:  # already plain JSON values (the usual case): no conversion pass first
+        return _CANONICAL.encode(value)
+    except TypeError:
+        return _CANONICAL.encode(to_jsonable_python(value))
 
 
 def args_hash(args: BaseModel | Mapping[str, Any]) -> str:
@@ -207,7 +219,8 @@ def args_hash(args: BaseModel | Mapping[str, Any]) -> str:
     Stored with the idempotency record: the same key with another hash is a
     conflict, not a replay.
     """
-    return hashlib.sha256(canonical_json(json_args(args)).encode("utf-8")).hexdigest()
+    form = args if type(args) is dict else json_args(args)  # a dict: json_args' output already
+    return hashlib.sha256(canonical_json(form).encode("utf-8")).hexdigest()
 
 
 # --- limits on untrusted input ---------------------------------------------------------
