@@ -6,9 +6,11 @@ tool's own statements: ``BEGIN; SELECT toolguard_enter(...)`` (every fence, in
 sorted order, then the intent row: created, locked, checked for a replay or a
 conflict) as one message, then ``SELECT toolguard_apply(...); INSERT INTO
 toolguard_audit ...; COMMIT`` as one message. Both are sent with client-side
-binding (``ClientCursor``: the values are still passed as parameters and
-quoted by psycopg, never formatted into the SQL by hand), which costs less
-client CPU than pipeline mode for the same single round trip. A failed write
+binding, which costs less client CPU than pipeline mode for the same single
+round trip: a ``ClientCursor`` subclass kept per connection (``_HotCursor``)
+quotes each value as one literal (never formatted into the SQL by hand) and
+skips psycopg's per-value adapters and prepared-statement bookkeeping; any
+other value type, or unusual server settings, take psycopg's own quoting. A failed write
 sends its ``ROLLBACK`` together with the audit row (written after the
 rollback, in a transaction of its own) the same way. A replay (the intent was
 applied before) sends ``COMMIT`` instead: its fences were checked and advanced
@@ -431,7 +433,7 @@ def _literal(value: Any) -> str | None:
     """One SQL literal for ``value`` (standard_conforming_strings on), or None if ``value``
     is not of a type this path quotes."""
     kind = type(value)
-    if kind is str:
+    if isinstance(value, str) and kind is str:
         if "\x00" in value:
             raise psycopg.DataError(_NUL_TEXT)
         return "'" + value.replace("'", "''") + "'"
