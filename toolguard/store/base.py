@@ -599,7 +599,8 @@ class FencePlan:
                 clean[key] = token
         if not items and problem is None:
             problem = InvalidFencingToken("a fenced write needs at least one key and its token")
-        if intent is not None and not isinstance(intent, IntentRecord):
+        given: object = intent  # untyped callers may pass anything
+        if given is not None and not isinstance(given, IntentRecord):
             problem = problem or StoreError(f"intent must be an IntentRecord, got {intent!r}",
                                             reason="invalid_intent")
             intent = None
