@@ -5,7 +5,8 @@ The convention every page follows:
 - ```` ```python ```` blocks run, in order, in one namespace per file, in a fresh
   temporary directory, on the embedded SQLite default (no ``TOOLGUARD_*``
   variable set). ```` ```python fragment ```` marks a deliberate fragment: it
-  must parse, and is not run.
+  must parse, and is not run. Both kinds are type-checked with mypy, each
+  page's blocks as one module (``python_module``; see test_docs_types.py).
 - ```` ```yaml ```` blocks that start a policy (``version:``) must load as one. A
   file name after ``yaml`` (```` ```yaml policy.yml ````) also writes the block
   to that file in the directory the python blocks run in, so they can load it.
@@ -57,6 +58,21 @@ def blocks(page: Path) -> list[Block]:
         lang, *args = token.info.split() or [""]
         out.append(Block(page, token.map[0] + 2, lang, tuple(args), token.content))
     return out
+
+
+def python_module(page: Path, *, fragments: bool = False) -> str | None:
+    """The page's ```` ```python ```` blocks as one module, in order, each at its own line
+    of the page (a checker's line numbers are the page's); with ``fragments`` the
+    ```` ```python fragment ```` blocks too. None when the page has no such block."""
+    chosen = [b for b in blocks(page) if b.lang == "python"
+              and (not b.args or (fragments and b.args == ("fragment",)))]
+    if not chosen:
+        return None
+    lines = [""] * len(page.read_text(encoding="utf-8").splitlines())
+    for block in chosen:
+        for offset, line in enumerate(block.text.splitlines()):
+            lines[block.line - 1 + offset] = line
+    return "\n".join(lines) + "\n"
 
 
 def inline_commands(page: Path) -> Iterator[tuple[int, str]]:

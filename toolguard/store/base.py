@@ -32,6 +32,7 @@ from typing import (
     Any,
     Literal,
     Protocol,
+    Self,
     TypeGuard,
     runtime_checkable,
 )
@@ -1026,6 +1027,10 @@ class GuardedStore(Protocol):
 
     def close(self) -> None: ...
 
+    def __enter__(self) -> Self: ...  # ``with open_store(...) as store:`` closes it at the end
+
+    def __exit__(self, *exc: object) -> None: ...
+
 
 @runtime_checkable
 class AsyncGuardedStore(Protocol):
@@ -1069,3 +1074,7 @@ class AsyncGuardedStore(Protocol):
     def connection(self) -> AbstractAsyncContextManager[Any]: ...
 
     async def close(self) -> None: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
