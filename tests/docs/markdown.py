@@ -124,6 +124,12 @@ def check_command(words: list[str]) -> list[str]:
         return problems + _check_pip(rest[2:] if rest[:2] == ["-m", "pip"] else rest)
     if Path(program).name.startswith("python") and rest[:1] == ["-m"] and len(rest) > 1:
         return problems + _check_module(rest[1], rest[2:])
+    if Path(program).name == "mypy":  # configured in pyproject.toml; paths, if any, must exist
+        return problems + _missing_paths(rest)
+    if Path(program).name == "ruff":
+        if rest[:1] != ["check"]:
+            return [*problems, f"unexpected ruff command {rest!r} (ruff check PATH...)"]
+        return problems + _missing_paths(rest[1:])
     return [*problems, f"unknown command {program!r}: teach tests/docs/markdown.py about it"]
 
 
@@ -134,6 +140,11 @@ _SETTINGS_VARIABLES = {"TOOLGUARD_LOCK_URL", "TOOLGUARD_REDIS_URL", "TOOLGUARD_D
 
 def _check_variable(name: str) -> list[str]:
     return [] if name in _SETTINGS_VARIABLES else [f"unknown variable {name}"]
+
+
+def _missing_paths(args: list[str]) -> list[str]:
+    return [f"no file or directory {a}" for a in args
+            if not a.startswith("-") and not (ROOT / a).exists()]
 
 
 def _check_pip(args: list[str]) -> list[str]:
