@@ -26,12 +26,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from .markdown import ROOT, blocks, pages, python_module
 
-CACHE = Path(tempfile.gettempdir()) / "toolguard-mypy-docs-cache"
+# Kept between runs in this checkout (mypy adds its own .gitignore), apart from the package's
+# cache: the options differ, so sharing one would make each run redo the other's work.
+CACHE = ROOT / ".mypy_cache" / "docs-blocks"
 
 CONFIG = """\
 [mypy]
