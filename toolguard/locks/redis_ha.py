@@ -260,8 +260,9 @@ class RedisClusterBackend(single.RedisBackend):
         # the socket timeout from. The attributes set are the same (a test compares them).
         single._RedisShared.__init__(self, **options)
         self.client = cluster_client(client) if isinstance(client, str) else client
-        kwargs = self.client.get_connection_kwargs()  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        self._max_block_s = _block_cap(kwargs.get("socket_timeout"))
+        # redis-py leaves the sync RedisCluster.get_connection_kwargs unannotated
+        connection = self.client.get_connection_kwargs()  # type: ignore[no-untyped-call]
+        self._max_block_s = _block_cap(connection.get("socket_timeout"))
         # redis-py annotates register_script's self as Redis; RedisCluster inherits the method
         # from the same mixin and its scripts run through the cluster client.
         scripts = cast(redis.Redis, self.client)
