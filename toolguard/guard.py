@@ -122,7 +122,8 @@ class ToolGuard:
         async_store: AsyncGuardedStore | None = None,
         schemas: Mapping[str, SchemaSource] | None = None,
     ) -> None:
-        if not isinstance(policy, Policy):
+        given: object = policy  # untyped callers may pass anything
+        if not isinstance(given, Policy):
             msg = (f"ToolGuard needs a Policy (load_policy(...) or Policy.from_dict(...)), "
                    f"got {type(policy).__name__}")
             raise GuardMisconfigured(msg)
