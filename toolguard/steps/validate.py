@@ -1,0 +1,79 @@
+"""The validation step (pure): envelope, input limits, schema, policy judgements, keys.
+
+``prepare(intent, policy, models)`` returns the ``Prepared`` call or raises the
+refusal: ``InvalidIntent``, ``UnknownTool``, ``InvalidArguments``,
+``NotAuthorized``, ``IntentRejected(missing_idempotency_key)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from toolguard.envelope import envelope_problem
+from toolguard.errors import IntentRejected, InvalidArguments, InvalidIntent
+from toolguard.intent import Intent, args_hash, bounded_key, check_limits, json_args
+from toolguard.policies import (
+    Policy,
+    authorize,
+    check_constraints,
+    idempotency_key,
+    lock_keys,
+    lookup_tool,
+    ordering_keys,
+    redacted_args,
+    validate_args,
+)
+from toolguard.policies.redaction import scrub, secrets_of
+from toolguard.recording import storable, storable_text
+from toolguard.steps.prepared import Prepared
+from toolguard.store.base import IntentRecord
+
+__all__ = ["prepare"]
+
+_NO_ID = ("invalid tool call: id: missing; a model's tool call needs an id, or the tool's policy "
+          "an idempotency_key template, so that a call sent twice is applied once")
+
+
+def prepare(intent: Intent, policy: Policy, models: Mapping[str, type[BaseModel]]) -> Prepared:
+    """Every pure check of ``intent`` under ``policy``; the call's facts, or the refusal."""
+    problem = envelope_problem(intent)
+    if problem is not None:
+        raise InvalidIntent(f"invalid tool call: {problem}")
+    rule = lookup_tool(policy, intent.tool)
+    if not intent.call_id and intent.origin == "model" and rule.idempotency_key is None:
+        raise InvalidIntent(_NO_ID)
+    check_limits(intent.args, rule.limits)
+    schema = models.get(intent.tool)
+    model: BaseModel | None = None
+    args: dict[str, Any]
+    if schema is not None:
+        model = validate_args(schema, intent.args)
+        args = json_args(model)
+    elif isinstance(intent.args, Mapping):
+        args = json_args(intent.args)
+    else:
+        raise InvalidArguments("args: expected an object of named arguments")
+    authorize(rule, intent.agent)
+    check_constraints(rule, args)
+    keys = () if rule.read_only else lock_keys(rule, args)
+    key = idempotency_key(intent, rule, args, key_fn=policy.key_fn)
+    if key is None:
+        if not rule.fenced:
+            msg = ("an unfenced tool needs a stable idempotency key (a tool-call id with a "
+                   "thread or run id, or an idempotency_key template in its policy)")
+            raise IntentRejected(msg, reason="missing_idempotency_key")
+        key = bounded_key(f"intent:{intent.id}")  # no stable identity: this call alone
+    secrets = secrets_of(rule, args)
+    audited = redacted_args(rule, args) if rule.redact else args
+    flow = intent.workflow
+    record = IntentRecord(
+        tool=intent.tool, idempotency_key=key, args_hash=args_hash(args),
+        agent=storable_text(intent.agent), workflow=storable_text(flow.thread_id or flow.run_id),
+        keys=keys, intent_id=storable_text(intent.call_id or intent.id),
+        args=storable(scrub(audited, secrets)), node_attempt=intent.node_attempt)
+    after = tuple((earlier, ordering_keys(rule, policy.tools[earlier], args))
+                  for earlier in rule.after)
+    return Prepared(rule, args, model, keys, record, after, secrets)
