@@ -278,6 +278,7 @@ class ToolGuard:
             msg = ("this ToolGuard has no sync lock manager and store: pass locks= and store=, "
                    "or run the graph with ainvoke()/arun()")
             raise GuardMisconfigured(msg)
+        self.controls = self.controls.follow(self.policy, self.store, self.async_store)
         return self.locks, self.store
 
     def _execute(self, state: _Call, prepared: Prepared, execute: Callable[[CallContext], Any],
@@ -386,6 +387,7 @@ class ToolGuard:
                    "and async_store= (connect_async(), open_async_store()), or run the graph "
                    "with invoke()/run()")
             raise GuardMisconfigured(msg)
+        self.controls = self.controls.follow(self.policy, self.store, self.async_store)
         return self.async_locks, self.async_store
 
     async def _aexecute(self, state: _Call, prepared: Prepared,

@@ -66,6 +66,8 @@ class Controls:
     async_approvals: AsyncApprovalBook | None = None
     quotas: Quotas | None = None
     async_quotas: AsyncQuotas | None = None
+    options: dict[str, Any] | None = None
+    built_for: tuple[int, int] = (0, 0)
 
     @classmethod
     def build(cls, policy: Policy, *, store: GuardedStore | None,
@@ -90,8 +92,19 @@ class Controls:
             quotas=Quotas(sync_backend) if sync_backend is not None else None,
             async_quotas=AsyncQuotas(async_backend) if async_backend is not None else None,
         )
+        built.options = {"quotas": quotas, "async_quotas": async_quotas, "pauses": pauses,
+                         "pause_cache_s": pause_cache_s, "approvals": approvals,
+                         "async_approvals": async_approvals}
+        built.built_for = (id(store), id(async_store))
         built.check(policy, probe=True)
         return built
+
+    def follow(self, policy: Policy, store: GuardedStore | None,
+               async_store: AsyncGuardedStore | None) -> Controls:
+        """These controls, or new ones if the guard's stores were replaced since (same options)."""
+        if (id(store), id(async_store)) == self.built_for or self.options is None:
+            return self
+        return Controls.build(policy, store=store, async_store=async_store, **self.options)
 
     def check(self, policy: Policy, *, probe: bool = False) -> None:
         """Raise ``GuardMisconfigured`` if ``policy`` asks for a control these stores lack."""
