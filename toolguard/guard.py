@@ -217,7 +217,10 @@ class ToolGuard:
         if approved is None or not approved.edited:
             return state.prepared
         edited = state.intent.model_copy(update={"args": approved.args(state.prepared.args)})
-        return self._traced_prepare(state, call, edited)
+        prepared = self._traced_prepare(state, call, edited)
+        names = approved.record.edited_args or {}
+        return dataclasses.replace(prepared, edited={k: prepared.args[k] for k in names
+                                                     if k in prepared.args})
 
     # --- sync ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from store.envs import StoreEnv, drop_schema
 
+from toolguard.approvals import ApprovalBook
 from toolguard.guard import ToolGuard
 from toolguard.store import GuardedStore
 
@@ -55,13 +56,18 @@ def backend(request: pytest.FixtureRequest, unique: str, tmp_path: Path) -> Iter
 
 @pytest.fixture
 def harness(backend: Any) -> Iterator[Callable[..., Any]]:
-    """``harness(policy, **guard_options)``: a ``Harness`` whose guard takes the options."""
+    """``harness(policy, **guard_options)``: a ``Harness`` whose guard takes the options.
+
+    ``approval_clock=`` gives the guard an approval book on that clock.
+    """
     from guard.harness import Harness
 
     opened: list[Harness] = []
 
-    def make(policy: Any, **options: Any) -> Harness:
+    def make(policy: Any, *, approval_clock: Any = None, **options: Any) -> Harness:
         made = Harness(backend, policy)
+        if approval_clock is not None:
+            options["approvals"] = ApprovalBook(made.store, clock=approval_clock)
         if options:
             made.guard = ToolGuard(made.policy, locks=made.locks, store=made.store, **options)
         opened.append(made)

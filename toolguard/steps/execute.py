@@ -28,7 +28,8 @@ def context_of(intent: Intent, prepared: Prepared,
     """The ``CallContext`` a tool sees: validated args, keys, lease and transaction."""
     return CallContext(intent=intent, tool=intent.tool, args=prepared.args, model=prepared.model,
                        idempotency_key=prepared.record.idempotency_key or "",
-                       keys=prepared.keys, lease=tx.lease if tx is not None else None, tx=tx)
+                       keys=prepared.keys, lease=tx.lease if tx is not None else None, tx=tx,
+                       edited=prepared.edited)
 
 
 class Body:

@@ -28,6 +28,8 @@ class Prepared:
     record: IntentRecord
     after: tuple[tuple[str, tuple[str, ...]], ...]
     secrets: Secrets
+    #: The top-level arguments a person replaced when approving (validated), else None.
+    edited: Mapping[str, Any] | None = None
 
 
 def accepted(intent: Intent, prepared: Prepared, result: Any, replayed: bool,
