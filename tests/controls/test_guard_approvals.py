@@ -177,6 +177,9 @@ def test_a_graph_interrupts_with_the_request_and_resumes_on_approval(harness: An
     ({"type": "edit", "args": {"amount": -5}}, "invalid_arguments", []),
     ({"type": "reject", "message": "not today", "by": "bob"}, "approval_denied", []),
     ({"type": "maybe"}, "invalid_resume", []),
+    ({"type": "approve", "by": "x" * 5000}, "invalid_resume", []),              # hostile: huge
+    ({"type": "edit", "args": {"amount": "9" * 5000}}, "invalid_arguments", []),  # over limits
+    (["approve"], "invalid_resume", []),
 ])
 def test_a_resume_edits_or_rejects(harness: Any, answer: Any, content: str,
                                    amounts: list[int]) -> None:

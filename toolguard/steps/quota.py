@@ -126,7 +126,7 @@ class _Renewals:
 
 def _renew(admission: Admission) -> None:
     try:
-        if not admission.renew():
+        if not admission.renew() and not admission.held.done:  # done: finished meanwhile
             log.warning("an in-flight quota slot expired while its call ran (lease too short?)")
     except Exception as error:  # the backend is away: the slot frees itself after its lease
         log.warning("could not renew an in-flight quota slot: %s", error)
@@ -168,7 +168,7 @@ async def _arenew(admission: AsyncAdmission, period_s: float) -> None:
     while True:
         await asyncio.sleep(period_s)
         try:
-            if not await admission.renew():
+            if not await admission.renew() and not admission.held.done:
                 log.warning("an in-flight quota slot expired while its call ran")
         except Exception as error:
             log.warning("could not renew an in-flight quota slot: %s", error)
