@@ -388,6 +388,7 @@ def _audit(record: ApprovalRecord, decision: DecisionName, by: str | None) -> Au
         decision="operator", reason=_AUDIT_REASON[decision], tool=record.tool, agent=record.agent,
         idempotency_key=record.idempotency_key, workflow=record.workflow, keys=record.keys,
         args={"approval_id": record.id, "by": by, "edited": edited},
+        policy_version=record.policy_version,  # the policy the request was made (and bound) under
         detail=(f"approval {record.id} {_AUDIT_REASON[decision]}{who}"
                 f"{changed}"
                 f"{f': {record.note}' if record.note else ''}"))

@@ -168,6 +168,7 @@ def test_a_graph_interrupts_with_the_request_and_resumes_on_approval(harness: An
     assert h.decisions("call-1") == [("rejected", "approval_required"), ("accepted", "applied")]
     (operator,) = h.audit(decision="operator")
     assert (operator.reason, operator.args["by"]) == ("approved", "alice")
+    assert {row.policy_version for row in h.audit()} == {h.guard.policy.digest}
     assert h.intent_status(h.audit(intent_id="call-1")[-1].idempotency_key) == "applied"
 
 
