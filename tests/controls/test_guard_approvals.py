@@ -253,3 +253,61 @@ def test_a_wrapped_tool_in_a_graph_asks_the_same_way(harness: Any) -> None:
     # outside a graph the same tool cannot pause: the caller is told what to approve
     with pytest.raises(Exception, match="approval_required"):
         tool.invoke({**BIG, "amount": 2000})
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_parallel_calls_of_one_node_are_each_decided_by_their_own_answer(
+        harness: Any, asynchronous: bool) -> None:
+    """Three calls in one ToolNode, two need approval: answers name their request's id.
+
+    LangGraph hands resume values out in the order the calls reach ``interrupt()``,
+    which parallel calls do in any order; an answer reaching the wrong call decides
+    the request it names, never the call it reached.
+    """
+    h = harness(POLICY)
+    message = calls_message(("transfer", {**BIG, "lead_id": "a"}, "c-a"),
+                            ("transfer", {**BIG, "lead_id": "b", "amount": 6000}, "c-b"),
+                            ("transfer", {**BIG, "lead_id": "c", "amount": 10}, "c-c"))
+    calls = GuardedToolCalls(h.guard, agent="payments")
+    graph = tool_graph(scripted(message, AIMessage("done")), [transfer_tool()],
+                       wrap=calls.wrap_tool_call, awrap=calls.awrap_tool_call,
+                       checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": f"g-parallel-{asynchronous}"}}
+    verdicts = {"c-a": "approve", "c-b": "reject"}
+
+    async def drive() -> Any:
+        async with h.async_edges():
+            out = await graph.ainvoke({"messages": [("user", "pay")]}, config)
+            while out.get("__interrupt__"):
+                out = await graph.ainvoke(Command(resume=answers(out)), config)
+            return out
+
+    def answers(out: Any) -> dict[str, Any]:
+        return {i.id: {"type": verdicts[i.value["tool_call_id"]],
+                       "approval_id": i.value["approval_id"], "by": "alice"}
+                for i in out["__interrupt__"]}
+
+    if asynchronous:
+        out = asyncio.run(drive())
+    else:
+        out = graph.invoke({"messages": [("user", "pay")]}, config)
+        while out.get("__interrupt__"):
+            out = graph.invoke(Command(resume=answers(out)), config)
+    contents = {k: str(v.content) for k, v in tool_messages(out["messages"]).items()}
+    assert contents["c-a"] == "sent 5000" and contents["c-c"] == "sent 10"
+    assert "approval_denied" in contents["c-b"]
+    assert sorted(row[1] for row in h.effects()) == ["a", "c"]  # each applied once
+    # a node re-runs every call on each resume: applied calls are replayed from their record,
+    # and each request is audited once, when it was made
+    pending = ("rejected", "approval_required")
+    for call_id, final in (("c-a", ("accepted", "applied")), ("c-b", ("rejected",
+                                                                      "approval_denied"))):
+        rows = h.decisions(call_id)
+        assert rows.count(pending) == 1 and final in rows, rows
+        # on the async path a sibling's interrupt cancels the calls still running (asyncio
+        # gather): their outcome is unknown until their key is seen again, never applied twice
+        allowed = {final, ("replayed", "duplicate"), *([("unknown", "cancelled")]
+                                                       if asynchronous else [])}
+        assert set(rows) - {pending} <= allowed, rows
+    assert ("unknown", "interrupted") not in h.decisions("c-c")
+    assert sorted(r.reason for r in h.audit(decision="operator")) == ["approved", "denied"]

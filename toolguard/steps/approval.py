@@ -19,23 +19,37 @@ Two ways to wait for the person:
   pauses the graph is marked (``is_pending``) so that the guard neither
   audits it again nor records the call's outcome as unknown: nothing ran.
 
+LangGraph hands a node's resume values out by the order in which its calls
+reach ``interrupt()``; the parallel calls of one ``ToolNode`` reach it in any
+order. So an answer that names another request's ``approval_id`` is not this
+call's: if that request is still waiting (same workflow), the answer decides
+it, and this call asks again for its own; an answer naming a request that is
+already decided is skipped; one naming no request of this workflow is
+refused (``InvalidResume``). An answer that names no id is this call's.
+
 In ``mode: shadow`` no request is made and nobody is asked: a call that
 would need approval is recorded as the would-be refusal ``approval_required``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from toolguard.approvals import (
     ApprovalBook,
+    ApprovalRecord,
     Approved,
     AsyncApprovalBook,
+    InvalidResume,
+    Resume,
     approval_reason,
     bind,
     parse_resume,
+    request_refusal,
 )
 from toolguard.errors import ApprovalRequired, GuardMisconfigured, is_control_flow
 from toolguard.facts import CallFacts
@@ -48,6 +62,8 @@ __all__ = ["Interrupt", "aapprove", "approve", "is_pending"]
 Interrupt = Callable[[Any], Any]
 
 _PENDING = "_toolguard_approval_pending"
+#: How many answers meant for other requests one call passes on before it gives up.
+_MAX_ANSWERS = 64
 _NO_BOOK = ("tool {tool!r} needs approval, and this guard has no store to keep approval "
             "requests in: give the ToolGuard a store (store= / async_store=)")
 
@@ -89,6 +105,63 @@ def _interrupted(interrupt: Interrupt, payload: Any) -> Any:
         raise
 
 
+def _resume(answer: Any) -> Resume:
+    return parse_resume(answer)  # the id it names (if any) is checked by _whose
+
+
+def _whose(resume: Resume, asked: ApprovalRequired, other: ApprovalRecord | None,
+           facts: CallFacts) -> Literal["mine", "theirs", "spent"]:
+    """Whom an answer is for: this call, a sibling's waiting request, or one decided already."""
+    if resume.approval_id is None or resume.approval_id == asked.approval_id:
+        return "mine"
+    if other is None or other.workflow != facts.workflow:
+        msg = (f"the resume value answers approval {resume.approval_id!r}, which is no request of "
+               f"this workflow (this call waits for {asked.approval_id!r})")
+        raise InvalidResume(msg)
+    return "theirs" if other.status == "pending" else "spent"
+
+
+def _mine(resume: Resume, asked: ApprovalRequired) -> Resume:
+    return dataclasses.replace(resume, approval_id=asked.approval_id)
+
+
+def _too_many(asked: ApprovalRequired) -> InvalidResume:
+    return InvalidResume(f"no answer for approval {asked.approval_id} among {_MAX_ANSWERS} resume "
+                         f"values meant for other requests")
+
+
+def _ask(book: ApprovalBook, interrupt: Interrupt, asked: ApprovalRequired, facts: CallFacts,
+         call_id: str | None) -> Resume:
+    """This call's answer; answers to sibling requests met on the way decide those (sync)."""
+    for _ in range(_MAX_ANSWERS):
+        resume = _resume(_interrupted(interrupt, _payload(asked, call_id)))
+        other = book.get(resume.approval_id) if resume.approval_id not in (
+            None, asked.approval_id) else None
+        whose = _whose(resume, asked, other, facts)
+        if whose == "mine":
+            return _mine(resume, asked)
+        if whose == "theirs" and other is not None:
+            book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
+                        args=resume.args)
+    raise _too_many(asked)
+
+
+async def _aask(book: AsyncApprovalBook, interrupt: Interrupt, asked: ApprovalRequired,
+                facts: CallFacts, call_id: str | None) -> Resume:
+    """The asyncio twin of ``_ask``."""
+    for _ in range(_MAX_ANSWERS):
+        resume = _resume(_interrupted(interrupt, _payload(asked, call_id)))
+        other = await book.get(resume.approval_id) if resume.approval_id not in (
+            None, asked.approval_id) else None
+        whose = _whose(resume, asked, other, facts)
+        if whose == "mine":
+            return _mine(resume, asked)
+        if whose == "theirs" and other is not None:
+            await book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
+                              args=resume.args)
+    raise _too_many(asked)
+
+
 def approve(book: ApprovalBook | None, prepared: Prepared, facts: CallFacts,
             enforcement: Enforcement, *, call_id: str | None = None,
             interrupt: Interrupt | None = None,
@@ -103,19 +176,16 @@ def approve(book: ApprovalBook | None, prepared: Prepared, facts: CallFacts,
     if book is None:
         raise GuardMisconfigured(_NO_BOOK.format(tool=facts.tool))
     record = book.find(facts.tool, facts.idempotency_key)
-    fresh = record is None
     if record is None:
-        record = book.request(facts, why, rule.approval.expires)
+        record, made = book.made(facts, why, rule.approval.expires)
+        if made and interrupt is not None and on_request is not None:
+            on_request(request_refusal(record))  # audited once, when made: a re-run finds it
     try:
         return bind(record, facts, book.clock())
     except ApprovalRequired as asked:
         if interrupt is None:
             raise
-        if fresh and on_request is not None:
-            on_request(asked)
-        answer = _interrupted(interrupt, _payload(asked, call_id))
-        resume = parse_resume(answer, approval_id=asked.approval_id)
-        return book.check(rule, facts, resume=resume)
+        return book.check(rule, facts, resume=_ask(book, interrupt, asked, facts, call_id))
 
 
 async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: CallFacts,
@@ -132,17 +202,24 @@ async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: Ca
         return None
     if book is None:
         raise GuardMisconfigured(_NO_BOOK.format(tool=facts.tool))
-    record = await book.find(facts.tool, facts.idempotency_key)
-    fresh = record is None
-    if record is None:
-        record = await book.request(facts, why, rule.approval.expires)
+    expires = rule.approval.expires
+
+    async def requested() -> ApprovalRecord:
+        """Find or make the request and, when it is made here, audit it: never one without the other."""
+        record = await book.find(facts.tool, facts.idempotency_key)
+        if record is not None:
+            return record
+        record, made = await book.made(facts, why, expires)
+        if made and interrupt is not None and on_request is not None:
+            await on_request(request_refusal(record))
+        return record
+
+    # a sibling's interrupt cancels this task mid-step (asyncio.gather): finish the pair anyway
+    record = await asyncio.shield(requested())
     try:
         return bind(record, facts, book.clock())
     except ApprovalRequired as asked:
         if interrupt is None:
             raise
-        if fresh and on_request is not None:
-            await on_request(asked)
-        answer = _interrupted(interrupt, _payload(asked, call_id))
-        resume = parse_resume(answer, approval_id=asked.approval_id)
-        return await book.check(rule, facts, resume=resume)
+        return await book.check(rule, facts,
+                                resume=await _aask(book, interrupt, asked, facts, call_id))
