@@ -51,7 +51,13 @@ from toolguard.approvals import (
     parse_resume,
     request_refusal,
 )
-from toolguard.errors import ApprovalRequired, GuardMisconfigured, is_control_flow
+from toolguard.errors import (
+    ApprovalRequired,
+    GuardMisconfigured,
+    IntentRejected,
+    UnknownApproval,
+    is_control_flow,
+)
 from toolguard.facts import CallFacts
 from toolguard.shadow import Enforcement
 from toolguard.steps.prepared import Prepared
@@ -141,8 +147,9 @@ def _ask(book: ApprovalBook, interrupt: Interrupt, asked: ApprovalRequired, fact
         if whose == "mine":
             return _mine(resume, asked)
         if whose == "theirs" and other is not None:
-            book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
-                        args=resume.args)
+            with contextlib.suppress(IntentRejected, UnknownApproval):  # its own call will say
+                book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
+                            args=resume.args)
     raise _too_many(asked)
 
 
@@ -157,8 +164,9 @@ async def _aask(book: AsyncApprovalBook, interrupt: Interrupt, asked: ApprovalRe
         if whose == "mine":
             return _mine(resume, asked)
         if whose == "theirs" and other is not None:
-            await book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
-                              args=resume.args)
+            with contextlib.suppress(IntentRejected, UnknownApproval):
+                await book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
+                                  args=resume.args)
     raise _too_many(asked)
 
 
