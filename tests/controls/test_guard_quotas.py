@@ -106,9 +106,9 @@ def _read_only(rules: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_long_call_keeps_its_in_flight_slot(harness: Any) -> None:
-    """The slot's lease is 0.3 s; the call runs past three leases and still holds it."""
+    """The slot's lease is 1 s; the call runs past two and a half leases and still holds it."""
     _holds_its_slot(harness(_read_only(policy({"in_flight": 1, "per": "tool",
-                                                "lease": "300ms"}))))
+                                                "lease": "1s"}))))
 
 
 def test_a_long_fenced_call_keeps_its_in_flight_slot(postgres_url: str, redis_url: str,
@@ -121,7 +121,7 @@ def test_a_long_fenced_call_keeps_its_in_flight_slot(postgres_url: str, redis_ur
     from guard.harness import Backend, Harness
 
     backend = Backend.postgresql(postgres_url, redis_url, unique)
-    h = Harness(backend, policy({"in_flight": 1, "per": "tool", "lease": "300ms"}))
+    h = Harness(backend, policy({"in_flight": 1, "per": "tool", "lease": "1s"}))
     try:
         _holds_its_slot(h)
     finally:
@@ -133,7 +133,7 @@ def _holds_its_slot(h: Any) -> None:
     seen: list[str] = []
 
     def long(ctx: Any) -> str:
-        time.sleep(1.0)  # three leases: without renewal the slot would have expired
+        time.sleep(2.5)  # 2.5 leases: without renewal the slot would have expired
         other = threading.Thread(target=lambda: seen.append(h.guard.run(
             intent("transfer", {"lead_id": "other"}, call_id="l2"), lambda c: "x").reason))
         other.start()
