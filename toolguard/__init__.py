@@ -71,7 +71,7 @@ _SUBMODULES = frozenset({"adapters", "config", "context", "decision", "envelope"
                          "extras", "guard", "intent", "locks", "policies", "store"})
 
 
-def __getattr__(name: str) -> Any:
+def _load(name: str) -> Any:
     import importlib
 
     if name in _SUBMODULES:
@@ -83,6 +83,10 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value  # once loaded, a plain attribute
     return value
+
+
+if not TYPE_CHECKING:  # type checkers read the imports above: a name not there is an error
+    __getattr__ = _load
 
 
 def __dir__() -> list[str]:

@@ -7,7 +7,8 @@ scripts and people can match on it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "ApprovalDenied",
@@ -318,7 +319,8 @@ class ApprovalRequired(IntentRejected):
 
     reason = "approval_required"
 
-    def __init__(self, message: str, *, approval_id: str, request: object = None) -> None:
+    def __init__(self, message: str, *, approval_id: str,
+                 request: Mapping[str, Any] | None = None) -> None:
         super().__init__(message)
         self.approval_id = approval_id
         self.request = request

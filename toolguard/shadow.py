@@ -30,9 +30,8 @@ The guard's use, per call::
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from types import TracebackType
 
 from toolguard.errors import IntentRejected
 from toolguard.policies.controls import Mode
@@ -81,19 +80,12 @@ class Enforcement:
     def shadow(self) -> bool:
         return self.mode == "shadow"
 
-    @contextlib.contextmanager
-    def step(self, name: str) -> Iterator[None]:
+    def step(self, name: str) -> _Step:
         """Run one deciding step; in shadow mode a shadowable refusal is recorded, not raised.
 
         Only the first would-be refusal is kept: enforcement would have stopped there.
         """
-        try:
-            yield
-        except IntentRejected as refused:
-            if not self.shadow or refused.reason not in SHADOWABLE:
-                raise
-            if self.verdict is None:
-                self.verdict = ShadowVerdict(name, refused.reason, refused.message, refused)
+        return _Step(self, name)
 
     def entry(self, call_row: AuditEntry) -> AuditEntry | None:
         """The shadow audit row for this call (built from the call's own row), or None."""
@@ -101,6 +93,33 @@ class Enforcement:
             return None
         return replace(call_row, decision=SHADOW_DECISION, reason=self.verdict.reason,
                        detail=self.verdict.detail[:2000], tokens={}, duration_ms=None)
+
+
+class _Step:
+    """``Enforcement.step``: a context manager whose ``__exit__`` may swallow the refusal.
+
+    A class rather than ``@contextmanager``, so that type checkers know code after a
+    ``with enforcement.step(...)`` block that returns is still reachable.
+    """
+
+    __slots__ = ("_enforcement", "_name")
+
+    def __init__(self, enforcement: Enforcement, name: str) -> None:
+        self._enforcement = enforcement
+        self._name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, refused: BaseException | None,
+                 traceback: TracebackType | None) -> bool:
+        enforcement = self._enforcement
+        if not isinstance(refused, IntentRejected) or not enforcement.shadow \
+                or refused.reason not in SHADOWABLE:
+            return False
+        if enforcement.verdict is None:
+            enforcement.verdict = ShadowVerdict(self._name, refused.reason, refused.message, refused)
+        return True
 
 
 def lookup_in_mode(policy: Policy, name: str, enforcement: Enforcement) -> ToolPolicy:

@@ -5,7 +5,8 @@ The convention every page follows:
 - ```` ```python ```` blocks run, in order, in one namespace per file, in a fresh
   temporary directory, on the embedded SQLite default (no ``TOOLGUARD_*``
   variable set). ```` ```python fragment ```` marks a deliberate fragment: it
-  must parse, and is not run.
+  must parse, and is not run. Both kinds are type-checked with mypy, each
+  page's blocks as one module (``python_module``; see test_docs_types.py).
 - ```` ```yaml ```` blocks that start a policy (``version:``) must load as one. A
   file name after ``yaml`` (```` ```yaml policy.yml ````) also writes the block
   to that file in the directory the python blocks run in, so they can load it.
@@ -59,6 +60,21 @@ def blocks(page: Path) -> list[Block]:
     return out
 
 
+def python_module(page: Path, *, fragments: bool = False) -> str | None:
+    """The page's ```` ```python ```` blocks as one module, in order, each at its own line
+    of the page (a checker's line numbers are the page's); with ``fragments`` the
+    ```` ```python fragment ```` blocks too. None when the page has no such block."""
+    chosen = [b for b in blocks(page) if b.lang == "python"
+              and (not b.args or (fragments and b.args == ("fragment",)))]
+    if not chosen:
+        return None
+    lines = [""] * len(page.read_text(encoding="utf-8").splitlines())
+    for block in chosen:
+        for offset, line in enumerate(block.text.splitlines()):
+            lines[block.line - 1 + offset] = line
+    return "\n".join(lines) + "\n"
+
+
 def inline_commands(page: Path) -> Iterator[tuple[int, str]]:
     """``toolguard ...`` in inline code (the command table), with its line."""
     for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
@@ -108,6 +124,12 @@ def check_command(words: list[str]) -> list[str]:
         return problems + _check_pip(rest[2:] if rest[:2] == ["-m", "pip"] else rest)
     if Path(program).name.startswith("python") and rest[:1] == ["-m"] and len(rest) > 1:
         return problems + _check_module(rest[1], rest[2:])
+    if Path(program).name == "mypy":  # configured in pyproject.toml; paths, if any, must exist
+        return problems + _missing_paths(rest)
+    if Path(program).name == "ruff":
+        if rest[:1] != ["check"]:
+            return [*problems, f"unexpected ruff command {rest!r} (ruff check PATH...)"]
+        return problems + _missing_paths(rest[1:])
     return [*problems, f"unknown command {program!r}: teach tests/docs/markdown.py about it"]
 
 
@@ -118,6 +140,11 @@ _SETTINGS_VARIABLES = {"TOOLGUARD_LOCK_URL", "TOOLGUARD_REDIS_URL", "TOOLGUARD_D
 
 def _check_variable(name: str) -> list[str]:
     return [] if name in _SETTINGS_VARIABLES else [f"unknown variable {name}"]
+
+
+def _missing_paths(args: list[str]) -> list[str]:
+    return [f"no file or directory {a}" for a in args
+            if not a.startswith("-") and not (ROOT / a).exists()]
 
 
 def _check_pip(args: list[str]) -> list[str]:

@@ -113,6 +113,10 @@ def test_checks_catch_what_they_are_for() -> None:
     assert check_command([sys.executable, "-m", "pytest", "-m", "nope"]) != []
     assert check_command(["TOOLGUARD_REDIS_URLS=x", "toolguard", "demo"]) != []
     assert check_command(["curl", "x"]) != []
+    assert check_command([".venv/bin/mypy"]) == []
+    assert check_command([".venv/bin/ruff", "check", "toolguard", "tests"]) == []
+    assert check_command([".venv/bin/ruff", "check", "toolgaurd"]) != []
+    assert check_command([".venv/bin/ruff", "format"]) != []
 
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)

@@ -29,7 +29,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def _load(name: str) -> Any:
     """The LangChain/LangGraph adapters, imported only when asked for."""
     module_name = _LAZY.get(name)
     if module_name is None:
@@ -41,6 +41,10 @@ def __getattr__(name: str) -> Any:
 
     require("langgraph", f"toolguard.adapters.{name}")
     return getattr(importlib.import_module(module_name), name)
+
+
+if not TYPE_CHECKING:  # type checkers read the imports above: a name not there is an error
+    __getattr__ = _load
 
 
 __all__ = [

@@ -33,6 +33,8 @@ class GuardedFunction(Generic[P, R]):
     and fenced transaction from ``toolguard.current()``.
     """
 
+    __name__: str  # the function's, as functools.update_wrapper copies it (with __doc__ and more)
+
     def __init__(self, guard: ToolGuard, function: Callable[P, R], *, name: str,
                  agent: str | None, stacklevel: int = 2) -> None:
         if agent is not None and (not isinstance(agent, str) or not agent):

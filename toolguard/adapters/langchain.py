@@ -40,7 +40,9 @@ class GuardedTool(BaseTool):
     inner: BaseTool
     guard: Any
     agent: str | None = None
-    metadata: bool = True
+    # Shadows BaseTool.metadata (callback metadata, unused here: invoke is overridden); the
+    # public name of the switch, kept as it is.
+    metadata: bool = True  # type: ignore[assignment]
     _injected: InjectedKeys = PrivateAttr(default_factory=InjectedKeys)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - invoke is overridden

@@ -39,7 +39,7 @@ from toolguard.intent import Intent
 
 __all__ = ["AgentResolver", "GuardedToolCalls", "ToolGuardMiddleware", "agent_from_metadata"]
 
-Output = ToolMessage | Command
+Output = ToolMessage | Command[Any]
 AgentResolver = Callable[[ToolCallRequest], str | None]
 
 
@@ -64,7 +64,7 @@ class GuardedToolCalls:
                  metadata: bool = True) -> None:
         self.guard = guard
         self.metadata = metadata
-        self._agent = agent if callable(agent) else (lambda _r, name=agent: name) \
+        self._agent = agent if callable(agent) else (lambda _r: agent) \
             if agent is not None else agent_from_metadata
         self._injected = InjectedKeys()
 
@@ -119,10 +119,11 @@ class GuardedToolCalls:
             return _DELEGATE
         return refusal_message(decision, call)
 
-    def _annotated(self, output: Any, outcome: ToolOutcome, decision: Decision) -> Any:
+    def _annotated(self, output: Output, outcome: ToolOutcome, decision: Decision) -> Output:
         if not self.metadata:
             return output
-        return annotate(output, outcome.call_id, decision)
+        annotated: Output = annotate(output, outcome.call_id, decision)
+        return annotated
 
 
 #: "Let ToolNode answer": the tool's own validation refuses the arguments too, so it

@@ -612,9 +612,9 @@ class _Stats:
             for decision in present:
                 series.add_column(decision.upper(), justify="right")
             series.add_column("TOP REFUSAL REASONS", overflow="fold")
-            for start, counts in sorted(self.buckets.items()):
-                per_decision = _sum_by(counts, 0)
-                refused = Counter({r: n for (d, r), n in counts.items() if d == "rejected"})
+            for start, pairs in sorted(self.buckets.items()):
+                per_decision = _sum_by(pairs, 0)
+                refused = Counter({r: n for (d, r), n in pairs.items() if d == "rejected"})
                 top = ", ".join(f"{r} {n}" for r, n in refused.most_common(3))
                 series.add_row(start.replace("T", " ").replace(":00:00Z", ":00"),
                                *(str(per_decision.get(d, 0)) for d in present), top or "-")

@@ -353,9 +353,9 @@ def _summary(out: Console, unguarded: Report, guarded: Report, store_url: str) -
                    style="bold"))
     stale = guarded.stale_rejections
     crm_url, crm_schema = _crm_location(store_url)
-    for line in next_commands(store_url, stale[0].id if stale else None, crm_store=crm_url,
-                              crm_schema=crm_schema):
-        out.print(f"  {line}")
+    for command in next_commands(store_url, stale[0].id if stale else None, crm_store=crm_url,
+                                 crm_schema=crm_schema):
+        out.print(f"  {command}")
     if redact(store_url) != store_url:
         out.print(Text("  (the password is shown as ***: put it back, or set TOOLGUARD_DATABASE_URL "
                        "and leave --url out)", style="dim"))

@@ -221,7 +221,8 @@ class CrmService:
         rows = self._run(f"SELECT lead_id, company, email, employees, industry, email_status, "
                          f"score, tier, pushes FROM {LEADS_TABLE} WHERE pipeline = %s "
                          f"ORDER BY lead_id", (self.pipeline,))
-        return {r[0]: CrmRecord(*r[:6], score=int(r[6]), tier=r[7], pushes=int(r[8]))
+        return {r[0]: CrmRecord(r[0], r[1], r[2], r[3], r[4], r[5], score=int(r[6]), tier=r[7],
+                                pushes=int(r[8]))
                 for r in rows}
 
     def pushes(self) -> list[CrmPush]:

@@ -173,5 +173,6 @@ def _problem_reason(response: httpx.Response) -> str | None:
     if not response.headers.get("content-type", "").startswith("application/problem+json"):
         return None
     with contextlib.suppress(ValueError, AttributeError):
-        return json.loads(response.content).get("reason")
+        reason: str | None = json.loads(response.content).get("reason")
+        return reason
     return None

@@ -24,7 +24,18 @@ imports its third-party library only when it is first used.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
+    from toolguard.fences.asgi import FenceMiddleware, fence_of
+    from toolguard.fences.gate import FenceGate, ServiceFence, current_fence
+    from toolguard.fences.http_client import AsyncFencedClient, FencedClient
+    from toolguard.fences.inflight import LocalInFlight, PostgresInFlight
+    from toolguard.fences.mcp_client import FencedSession, guarded_mcp_tools
+    from toolguard.fences.mcp_server import FenceToolMiddleware
+    from toolguard.fences.outgoing import outgoing_fences
+    from toolguard.fences.problems import FencesRequired, InFlight, Problem
+    from toolguard.fences.wire import Fences, WireError
 
 __all__ = [
     "AsyncFencedClient",
@@ -73,7 +84,7 @@ _WHERE = {
 _EXTRA = {"http_client": "http", "mcp_server": "mcp", "mcp_client": "mcp"}
 
 
-def __getattr__(name: str) -> Any:
+def _load(name: str) -> Any:
     """Load each part (and its library: httpx, fastmcp...) only when it is asked for."""
     module = _WHERE.get(name)
     if module is None:
@@ -85,3 +96,7 @@ def __getattr__(name: str) -> Any:
 
         require(extra, f"toolguard.fences.{name}")
     return getattr(import_module(f"toolguard.fences.{module}"), name)
+
+
+if not TYPE_CHECKING:  # type checkers read the imports above: a name not there is an error
+    __getattr__ = _load

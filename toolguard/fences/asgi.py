@@ -83,7 +83,7 @@ def unsafe_methods(scope: Scope) -> bool:
 def fence_of(request: Any) -> ServiceFence:
     """The fence of a Starlette ``Request`` (or an ASGI scope) served by ``FenceMiddleware``."""
     scope = getattr(request, "scope", request)
-    fence = scope.get(SCOPE_KEY) if isinstance(scope, MutableMapping) else None
+    fence: ServiceFence | None = scope.get(SCOPE_KEY) if isinstance(scope, MutableMapping) else None
     if fence is None:
         msg = ("this request was not fenced: mount FenceMiddleware, and send the request with "
                "Fencing-Token and Idempotency-Key")

@@ -123,7 +123,8 @@ def _record(result: ToolResult) -> dict[str, Any]:
 
 def _result(outcome: Outcome) -> ToolResult:
     if isinstance(outcome, Applied | Declined):
-        return outcome.value
+        result: ToolResult = outcome.value  # the gate keeps whatever the handler answered
+        return result
     if isinstance(outcome, Refused):
         raise _mcp_error(outcome.problem)
     record = outcome.record

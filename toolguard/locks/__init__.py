@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -60,8 +61,9 @@ def open_backend(url: str, **options: Any) -> LockBackend:
     An option the backend does not take is a ``ConfigurationError`` naming it (and
     the options it does take), as is an option with a value it cannot use.
     """
-    if not isinstance(url, str):
-        msg = f"a lock URL must be a string, got {url!r}"
+    given: object = url  # untyped callers may pass anything
+    if not isinstance(given, str):
+        msg = f"a lock URL must be a string, got {given!r}"
         raise ConfigurationError(msg)
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss", "unix"):
@@ -94,13 +96,13 @@ def open_backend(url: str, **options: Any) -> LockBackend:
     raise ConfigurationError(msg)
 
 
-def _construct(cls: type[T], scheme: str, target: str, options: dict[str, Any]) -> T:
+def _construct(cls: Callable[..., T], scheme: str, target: str, options: dict[str, Any]) -> T:
     """``cls(target, **options)``, with unknown options reported as configuration errors."""
     _check_options(cls, scheme, options)
     return cls(target, **options)
 
 
-def _check_options(cls: type[Any], scheme: str, options: dict[str, Any]) -> None:
+def _check_options(cls: Callable[..., Any], scheme: str, options: dict[str, Any]) -> None:
     """Raise ``ConfigurationError`` naming every option ``cls`` does not take."""
     parameters = list(inspect.signature(cls).parameters.values())[1:]
     known = sorted(p.name for p in parameters

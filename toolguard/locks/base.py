@@ -129,7 +129,9 @@ class AsyncLockBackend(Protocol):
     """The asyncio face of a backend; renewals still go through the sync one."""
 
     info: BackendInfo
-    presence_ms: int
+
+    @property
+    def presence_ms(self) -> int: ...  # read-only: the async twins read the sync backend's
 
     async def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt: ...
 

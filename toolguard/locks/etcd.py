@@ -358,8 +358,10 @@ class _DeletionWatch:
 
     def _stream(self) -> None:
         client = self._backend._new_client(pool_size=1, endpoint=self._endpoint)
-        body = {"create_request": {"key": _b64(self._root), "range_end": _b64(_prefix_end(self._root)),
-                                   "filters": ["NOPUT"], "start_revision": self._next}}
+        request: dict[str, str | int | list[str]] = {
+            "key": _b64(self._root), "range_end": _b64(_prefix_end(self._root)),
+            "filters": ["NOPUT"], "start_revision": self._next}
+        body = {"create_request": request}
         try:
             response = client.session.post(client.get_url("/watch"), json=body, stream=True,
                                            timeout=(self._backend.timeout_s, self.IDLE_S))
@@ -821,9 +823,11 @@ class EtcdBackend:
             leases, self._leases = list(self._leases.values()), {}
         if self._pid == os.getpid():
             for lease in leases:
+                def revoke(etcd: Etcd3Client, lid: int = lease.id) -> Any:
+                    return etcd.post(etcd.get_url("/lease/revoke"), json={"ID": lid})
+
                 with contextlib.suppress(BackendUnavailable):  # gone: it expires on its own
-                    self._call("lease revoke", lambda etcd, lid=lease.id: etcd.post(
-                        etcd.get_url("/lease/revoke"), json={"ID": lid}))
+                    self._call("lease revoke", revoke)
         with self._mutex:
             self._entries.clear()
         self._closed = True

@@ -235,7 +235,7 @@ class _RedisShared:
         return Attempt(token=token) if token > 0 else Attempt(token=None, retry_ms=-token)
 
     @staticmethod
-    def _unavailable(error: RedisError) -> BackendUnavailable:
+    def _unavailable(error: RedisError | OSError) -> BackendUnavailable:
         return BackendUnavailable(f"redis: {error}")
 
 
@@ -332,7 +332,8 @@ class RedisBackend(_RedisShared):
 
     def current_token(self, key: str) -> int:
         """The last token granted for ``key`` (0 if the counter is gone)."""
-        return int(self.client.get(self._fence_key(key)) or 0)
+        # redis-py types a sync client's replies as "Awaitable[Any] | Any"
+        return int(self.client.get(self._fence_key(key)) or 0)  # type: ignore[arg-type]
 
     def close(self) -> None:
         self.client.close()

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
@@ -98,6 +98,7 @@ _FLOAT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 _SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -202,18 +203,18 @@ def _cluster_errors() -> Iterator[None]:
         raise BackendUnavailable(f"redis cluster: {type(error).__name__}: {error}") from error
 
 
-def _translated(method: Callable[..., T]) -> Callable[..., T]:
+def _translated(method: Callable[P, T]) -> Callable[P, T]:
     @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         with _cluster_errors():
             return method(*args, **kwargs)
 
     return wrapper
 
 
-def _atranslated(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _atranslated(method: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     @functools.wraps(method)
-    async def wrapper(*args: Any, **kwargs: Any) -> T:
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         with _cluster_errors():
             return await method(*args, **kwargs)
 
@@ -226,7 +227,9 @@ def _atranslated(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable
 def cluster_client(url: str | RedisUrl) -> redis.cluster.RedisCluster:
     """A sync ``RedisCluster`` for a ``redis+cluster://`` URL."""
     parsed = parse_redis_ha_url(url) if isinstance(url, str) else url
-    nodes = [redis.cluster.ClusterNode(host, port) for host, port in parsed.nodes]
+    # redis-py leaves the sync ClusterNode.__init__ unannotated
+    nodes = [redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
+             for host, port in parsed.nodes]
     try:  # unlike a single-server client, it reads the slot map at once
         return redis.cluster.RedisCluster(startup_nodes=nodes, **parsed.connection_options())
     except (RedisError, RedisClusterException, OSError) as error:
@@ -257,11 +260,16 @@ class RedisClusterBackend(single.RedisBackend):
         # the socket timeout from. The attributes set are the same (a test compares them).
         single._RedisShared.__init__(self, **options)
         self.client = cluster_client(client) if isinstance(client, str) else client
-        self._max_block_s = _block_cap(self.client.get_connection_kwargs().get("socket_timeout"))
-        self._acquire = self.client.register_script(single.ACQUIRE)
-        self._release = self.client.register_script(single.RELEASE)
-        self._renew = self.client.register_script(single.RENEW)
-        self._raise_floor = self.client.register_script(single.RAISE_FLOOR)
+        # redis-py leaves the sync RedisCluster.get_connection_kwargs unannotated
+        connection = self.client.get_connection_kwargs()  # type: ignore[no-untyped-call]
+        self._max_block_s = _block_cap(connection.get("socket_timeout"))
+        # redis-py annotates register_script's self as Redis; RedisCluster inherits the method
+        # from the same mixin and its scripts run through the cluster client.
+        scripts = cast(redis.Redis, self.client)
+        self._acquire = scripts.register_script(single.ACQUIRE)
+        self._release = scripts.register_script(single.RELEASE)
+        self._renew = scripts.register_script(single.RENEW)
+        self._raise_floor = scripts.register_script(single.RAISE_FLOOR)
 
     try_acquire = _translated(single.RedisBackend.try_acquire)
     wait = _translated(single.RedisBackend.wait)
@@ -280,9 +288,12 @@ class AsyncRedisClusterBackend(single.AsyncRedisBackend):
         single._RedisShared.__init__(self, **options)
         self.client = async_cluster_client(client) if isinstance(client, str) else client
         self._max_block_s = _block_cap(self.client.get_connection_kwargs().get("socket_timeout"))
-        self._acquire = self.client.register_script(single.ACQUIRE)
-        self._release = self.client.register_script(single.RELEASE)
-        self._raise_floor = self.client.register_script(single.RAISE_FLOOR)
+        # redis-py annotates register_script's self as Redis; RedisCluster inherits the method
+        # from the same mixin and its scripts run through the cluster client.
+        scripts = cast(aredis.Redis, self.client)
+        self._acquire = scripts.register_script(single.ACQUIRE)
+        self._release = scripts.register_script(single.RELEASE)
+        self._raise_floor = scripts.register_script(single.RAISE_FLOOR)
 
     try_acquire = _atranslated(single.AsyncRedisBackend.try_acquire)
     wait = _atranslated(single.AsyncRedisBackend.wait)
@@ -308,17 +319,25 @@ def _sentinel_kwargs(parsed: RedisUrl) -> dict[str, Any]:
 def sentinel_client(url: str | RedisUrl) -> redis.Redis:
     """A sync client of the primary named in a ``redis+sentinel://`` URL."""
     parsed = parse_redis_ha_url(url) if isinstance(url, str) else url
-    sentinel = redis.sentinel.Sentinel(list(parsed.nodes), sentinel_kwargs=_sentinel_kwargs(parsed))
+    # redis-py leaves the sync Sentinel and master_for unannotated
+    sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        list(parsed.nodes), sentinel_kwargs=_sentinel_kwargs(parsed))
     assert parsed.service is not None
-    return sentinel.master_for(parsed.service, db=parsed.db, **parsed.connection_options())
+    primary: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        parsed.service, db=parsed.db, **parsed.connection_options())
+    return primary
 
 
 def async_sentinel_client(url: str | RedisUrl) -> aredis.Redis:
     """An asyncio client of the primary named in a ``redis+sentinel://`` URL."""
     parsed = parse_redis_ha_url(url) if isinstance(url, str) else url
-    sentinel = asentinel.Sentinel(list(parsed.nodes), sentinel_kwargs=_sentinel_kwargs(parsed))
+    # redis-py leaves the asyncio Sentinel's __init__ unannotated, and master_for returns Any
+    sentinel = asentinel.Sentinel(  # type: ignore[no-untyped-call]
+        list(parsed.nodes), sentinel_kwargs=_sentinel_kwargs(parsed))
     assert parsed.service is not None
-    return sentinel.master_for(parsed.service, db=parsed.db, **parsed.connection_options())
+    primary: aredis.Redis = sentinel.master_for(parsed.service, db=parsed.db,
+                                                **parsed.connection_options())
+    return primary
 
 
 class RedisSentinelBackend(single.RedisBackend):

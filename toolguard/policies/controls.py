@@ -301,9 +301,9 @@ def control_problems(policy: Policy) -> list[Problem]:
                 named[quota.name] = (quota.definition(), path)
             elif first[0] != quota.definition() and path not in seen_paths:
                 seen_paths.add(path)
-                where = policy.location(*first[1])
+                earlier = policy.location(*first[1])
                 problems.append(policy.problem(path, (
-                    f"quota {quota.name!r} is defined differently at {where}: quotas that share a "
+                    f"quota {quota.name!r} is defined differently at {earlier}: quotas that share a "
                     f"name share one counter, so they must be equal (or give this one another name)")))
     return problems
 
@@ -330,8 +330,8 @@ def control_schema_problems(policy: Policy, tool_schemas: Mapping[str, Any]) -> 
         for index, quota in enumerate(tool.quotas):
             if quota.arg is None:
                 continue
-            path = (("defaults", "quotas", index, "arg") if index < len(defaults)
-                    else (*base, "quotas", index - len(defaults), "arg"))
+            path: tuple[str | int, ...] = (("defaults", "quotas", index, "arg") if index < len(defaults)
+                                           else (*base, "quotas", index - len(defaults), "arg"))
             leaves, error = schema.walk(quota.arg)
             if error:
                 problems.append(policy.problem(path, f"{error} (tool {name!r})"))

@@ -170,7 +170,7 @@ def _drop_invalid(data: dict[str, Any], error: ValidationError, dropped: dict[st
                 dropped.setdefault(name, set()).add(str(loc[2]))
         elif loc[0] == "tools":
             return False  # the tools mapping itself (e.g. a bad tool name): nothing to check
-        elif len(loc) >= 2 and isinstance(data.get(loc[0]), dict):
+        elif len(loc) >= 2 and isinstance(data.get(str(loc[0])), dict):
             data[str(loc[0])].pop(str(loc[1]), None)
             dropped.setdefault("", set()).add(f"{loc[0]}.{loc[1]}")
         else:

@@ -55,8 +55,9 @@ class FieldPath:
     @classmethod
     def parse(cls, text: str) -> FieldPath:
         """Parse ``a.b[*].c``; raise ``ValueError`` saying what is wrong."""
-        if not isinstance(text, str):
-            msg = f"a field path is a string, got {type(text).__name__}"
+        given: object = text  # a policy file may hold anything here
+        if not isinstance(given, str):
+            msg = f"a field path is a string, got {type(given).__name__}"
             raise ValueError(msg)
         if not _PATH.fullmatch(text):
             msg = (f"invalid field path {text!r}: expected names joined by '.', with '[*]' "

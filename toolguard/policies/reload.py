@@ -211,7 +211,7 @@ class PolicyWatcher:
         def on_hup(number: int, frame: FrameType | None) -> None:
             self._hup.set()
             self._wake.set()
-            if callable(previous) and previous not in (signal.SIG_IGN, signal.SIG_DFL):
+            if callable(previous):  # SIG_IGN and SIG_DFL are ints, not callables
                 previous(number, frame)
 
         signal.signal(signal.SIGHUP, on_hup)

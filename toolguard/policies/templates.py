@@ -106,8 +106,9 @@ class KeyTemplate:
     @classmethod
     def parse(cls, text: str) -> KeyTemplate:
         """Parse and check a template; raise ``ValueError`` saying what is wrong."""
-        if not isinstance(text, str):
-            msg = f"a key template is a string, got {type(text).__name__}"
+        given: object = text  # a policy file may hold anything here
+        if not isinstance(given, str):
+            msg = f"a key template is a string, got {type(given).__name__}"
             raise ValueError(msg)
         if not text:
             msg = "a key template cannot be empty"

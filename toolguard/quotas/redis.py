@@ -208,12 +208,14 @@ class RedisQuotas(_Shared):
 
     def _run(self, name: str, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
         script = self._scripts[name]
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        # redis-py leaves execute_command unannotated (here and in the asyncio client)
         try:
             try:
-                return self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return self.client.execute_command(*command)  # type: ignore[no-untyped-call]
             except NoScriptError:
                 self.client.script_load(script.script)
-                return self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return self.client.execute_command(*command)  # type: ignore[no-untyped-call]
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
 
@@ -259,14 +261,13 @@ class AsyncRedisQuotas(_Shared):
 
     async def _run(self, name: str, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
         script = self._scripts[name]
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
             try:
-                return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys,
-                                                         *args)
+                return await self.client.execute_command(*command)  # type: ignore[no-untyped-call]
             except NoScriptError:
                 await self.client.script_load(script.script)
-                return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys,
-                                                         *args)
+                return await self.client.execute_command(*command)  # type: ignore[no-untyped-call]
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
 

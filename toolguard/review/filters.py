@@ -49,7 +49,7 @@ class PageFilters:
         """The first value of ``name`` as typed ("" if none), for the form."""
         return next(iter(self.values.get(name, ())), "")
 
-    def url(self, path: str = "/", **changes: str | Sequence[str] | None) -> str:
+    def url(self, path: str = "/", /, **changes: str | Sequence[str] | None) -> str:
         """``path`` with these filters, some changed (None drops one), as a query string."""
         values: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in self.values.items()}
         for name, value in changes.items():

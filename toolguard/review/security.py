@@ -196,7 +196,8 @@ def _same(given: str, expected: str) -> bool:
 
 
 def _header(scope: Scope, name: bytes) -> str:
-    for key, value in scope.get("headers", []):
+    headers: Iterable[tuple[bytes, bytes]] = scope.get("headers", [])
+    for key, value in headers:
         if key == name:
             return value.decode("latin-1")
     return ""

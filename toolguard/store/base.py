@@ -32,6 +32,7 @@ from typing import (
     Any,
     Literal,
     Protocol,
+    Self,
     TypeGuard,
     runtime_checkable,
 )
@@ -599,7 +600,8 @@ class FencePlan:
                 clean[key] = token
         if not items and problem is None:
             problem = InvalidFencingToken("a fenced write needs at least one key and its token")
-        if intent is not None and not isinstance(intent, IntentRecord):
+        given: object = intent  # untyped callers may pass anything
+        if given is not None and not isinstance(given, IntentRecord):
             problem = problem or StoreError(f"intent must be an IntentRecord, got {intent!r}",
                                             reason="invalid_intent")
             intent = None
@@ -1025,6 +1027,10 @@ class GuardedStore(Protocol):
 
     def close(self) -> None: ...
 
+    def __enter__(self) -> Self: ...  # ``with open_store(...) as store:`` closes it at the end
+
+    def __exit__(self, *exc: object) -> None: ...
+
 
 @runtime_checkable
 class AsyncGuardedStore(Protocol):
@@ -1068,3 +1074,7 @@ class AsyncGuardedStore(Protocol):
     def connection(self) -> AbstractAsyncContextManager[Any]: ...
 
     async def close(self) -> None: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...

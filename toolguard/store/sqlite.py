@@ -512,6 +512,7 @@ class SqliteStore:
         status 'unknown'; without it only an existing row is marked. A row of
         another tool or other arguments is left alone. True if a row was marked.
         """
+        params: tuple[str | None, ...]
         if record is None:
             query, params = MARK_UNKNOWN, (idempotency_key,)
         elif record.idempotency_key != idempotency_key:
