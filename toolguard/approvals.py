@@ -75,6 +75,7 @@ __all__ = [
     "bind",
     "check_identity",
     "parse_resume",
+    "request_refusal",
 ]
 
 ApprovalStatus = Literal["pending", "approved", "denied"]
@@ -234,7 +235,7 @@ def bind(record: ApprovalRecord, facts: CallFacts, now: datetime) -> Approved:
                f"{record.expires_at.isoformat(timespec='seconds')}")
         raise ApprovalExpired(msg)
     if record.status == "pending":
-        raise _required(record)
+        raise request_refusal(record)
     if record.status == "denied":
         who = f" by {record.decided_by}" if record.decided_by else ""
         why = f": {record.note}" if record.note else ""
@@ -258,7 +259,8 @@ def check_identity(record: ApprovalRecord, facts: CallFacts) -> None:
         raise ApprovalMismatch(msg)
 
 
-def _required(record: ApprovalRecord) -> ApprovalRequired:
+def request_refusal(record: ApprovalRecord) -> ApprovalRequired:
+    """The ``ApprovalRequired`` a call waiting on ``record`` is refused with."""
     msg = (f"{record.tool} needs approval ({record.why or 'required'}): "
            f"`toolguard approve {record.id}` or `toolguard deny {record.id}`, then call again")
     return ApprovalRequired(msg, approval_id=record.id, request=record.payload())
@@ -388,6 +390,7 @@ def _audit(record: ApprovalRecord, decision: DecisionName, by: str | None) -> Au
         decision="operator", reason=_AUDIT_REASON[decision], tool=record.tool, agent=record.agent,
         idempotency_key=record.idempotency_key, workflow=record.workflow, keys=record.keys,
         args={"approval_id": record.id, "by": by, "edited": edited},
+        policy_version=record.policy_version,  # the policy the request was made (and bound) under
         detail=(f"approval {record.id} {_AUDIT_REASON[decision]}{who}"
                 f"{changed}"
                 f"{f': {record.note}' if record.note else ''}"))
@@ -435,13 +438,17 @@ class ApprovalBook:
 
     def request(self, facts: CallFacts, why: str, expires_s: float) -> ApprovalRecord:
         """The intent's request: made now, or the one made before (one per tool and key)."""
+        return self.made(facts, why, expires_s)[0]
+
+    def made(self, facts: CallFacts, why: str, expires_s: float) -> tuple[ApprovalRecord, bool]:
+        """``request``, and whether this call made it (True) or found it made before (False)."""
         params = _insert_params(facts, why, expires_s, self.clock(), self.store.dialect)
         made = rows(self.store, INSERT, params)
         if made:
-            return _record(made[0])
+            return _record(made[0]), True
         found = self.find(facts.tool, facts.idempotency_key)
         assert found is not None
-        return found
+        return found, False
 
     def get(self, approval_id: str) -> ApprovalRecord | None:
         found = rows(self.store, f"{SELECT} WHERE id = %s", (approval_id,))
@@ -504,13 +511,17 @@ class AsyncApprovalBook:
         return bind(record, facts, self.clock())
 
     async def request(self, facts: CallFacts, why: str, expires_s: float) -> ApprovalRecord:
+        return (await self.made(facts, why, expires_s))[0]
+
+    async def made(self, facts: CallFacts, why: str,
+                   expires_s: float) -> tuple[ApprovalRecord, bool]:
         params = _insert_params(facts, why, expires_s, self.clock(), self.store.dialect)
         made = await arows(self.store, INSERT, params)
         if made:
-            return _record(made[0])
+            return _record(made[0]), True
         found = await self.find(facts.tool, facts.idempotency_key)
         assert found is not None
-        return found
+        return found, False
 
     async def get(self, approval_id: str) -> ApprovalRecord | None:
         found = await arows(self.store, f"{SELECT} WHERE id = %s", (approval_id,))

@@ -48,14 +48,15 @@ class CallContext:
     external system, which is what makes a retry safe there.
     """
 
-    __slots__ = ("_tx", "args", "extra", "idempotency_key", "intent", "keys", "lease", "model",
-                 "tool")
+    __slots__ = ("_tx", "args", "edited", "extra", "idempotency_key", "intent", "keys", "lease",
+                 "model", "tool")
 
     def __init__(self, *, intent: Intent, tool: str, args: Mapping[str, Any],
                  idempotency_key: str, keys: tuple[str, ...], model: BaseModel | None = None,
                  lease: Lease | None = None,
                  tx: FencedTransaction | AsyncFencedTransaction | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None,
+                 edited: Mapping[str, Any] | None = None) -> None:
         self.intent = intent
         self.tool = tool
         #: Validated, as JSON values; ``model`` holds the typed instance.
@@ -66,6 +67,9 @@ class CallContext:
         self.lease = lease
         self.extra: dict[str, Any] = {} if extra is None else extra
         self._tx = tx
+        #: The arguments a person replaced when approving an edit (validated, also in ``args``);
+        #: an adapter that runs the tool from the model's own call passes them on.
+        self.edited = edited
 
     @property
     def tx(self) -> FencedTransaction:

@@ -79,6 +79,18 @@ class Decision:
     def ok(self) -> bool:
         return self.kind in ("accepted", "replayed")
 
+    @property
+    def approval_id(self) -> str | None:
+        """The approval request a refused ``approval_required`` call waits for (else None)."""
+        value = getattr(self.error, "approval_id", None)
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """When a call refused by a quota may fit again, in seconds (None: not a quota refusal)."""
+        value = getattr(self.error, "retry_after_s", None)
+        return float(value) if isinstance(value, int | float) else None
+
     def model_text(self) -> str:
         """The short, safe text a model reads for a refused or failed call."""
         if self.kind == "rejected":

@@ -64,8 +64,12 @@ def shape(value: Any, depth: int = 0) -> Any:
     return type(value).__name__
 
 
-def audit_entry(decision: Decision, record: IntentRecord | None, started: float) -> AuditEntry:
-    """The audit row of ``decision``; ``record`` is None when the call was never validated."""
+def audit_entry(decision: Decision, record: IntentRecord | None, started: float, *,
+                policy_version: str | None = None) -> AuditEntry:
+    """The audit row of ``decision``; ``record`` is None when the call was never validated.
+
+    ``policy_version`` (the deciding policy's digest) is the record's when it has one.
+    """
     intent = decision.intent
     flow = intent.workflow
     # Never validated: keep only its shape, never the raw (maybe huge, maybe secret) values.
@@ -79,4 +83,6 @@ def audit_entry(decision: Decision, record: IntentRecord | None, started: float)
         keys=decision.keys, tokens=dict(decision.tokens), args=args,
         detail=storable_text(decision.message, DETAIL_LIMIT) or None,
         duration_ms=round((time.monotonic() - started) * 1000, 3),
-        node_attempt=intent.node_attempt)
+        node_attempt=intent.node_attempt,
+        policy_version=(record.policy_version if record is not None and record.policy_version
+                        else policy_version))

@@ -39,7 +39,9 @@ def test_list_filters_json(runner: CliRunner, demo_home: dict) -> None:
                                "--decision", "accepted").stdout)
     assert len(by_tool) == 6 and {r["tool"] for r in by_tool} == {"set_tier"}
     by_agent = json.loads(audit(runner, demo_home, "--json", "-a", "router", "--rejected").stdout)
-    assert {r["reason"] for r in by_agent} == {"out_of_order", "not_authorized"}
+    # the pipeline's refusals, and the epilogue's request for approval and budget refusal
+    assert {r["reason"] for r in by_agent} == {"out_of_order", "not_authorized",
+                                               "approval_required", "budget_exceeded"}
     by_key = json.loads(audit(runner, demo_home, "--json", "--key", "lead:L-103", "-n", "0").stdout)
     assert by_key and all("lead:L-103" in r["keys"] for r in by_key)
     limited = json.loads(audit(runner, demo_home, "--json", "--limit", "3").stdout)

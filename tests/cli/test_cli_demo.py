@@ -26,6 +26,10 @@ def test_demo_json_report(demo_home: dict) -> None:
     assert_crm_report(off["crm"], on["crm"])
     assert (demo_home["home"] / "crm.db").exists()  # the CRM's own store, beside the agents'
     assert {"crm_double_push", "crm_late_push"} <= kinds
+    controls = report["controls"]  # the epilogue: one approval, one budget refusal
+    assert controls["decisions"] == [["rejected", "approval_required"], ["accepted", "applied"],
+                                     ["rejected", "budget_exceeded"]]
+    assert controls["approval_id"].startswith("ap_") and controls["retry_after_s"] > 0
 
 
 def assert_crm_report(off: dict, on: dict) -> None:
@@ -54,7 +58,12 @@ def test_demo_prints_the_summary_and_replays_on_a_second_run(runner: CliRunner,
                      "The CRM's own decisions", "refused by the CRM: 409 (CRM audit #",
                      "the stuck push reached the CRM at last: HTTP 409 stale_fencing_token",
                      "the connection dropped: the answer is lost",
-                     "6/6 records equal to the expected ones, each pushed once"):
+                     "6/6 records equal to the expected ones, each pushed once",
+                     "Production controls: an approval and a budget",
+                     "waits: approval_required (request ap_",
+                     "sales-manager (scripted) approves ap_",
+                     "the router's same call runs: applied",
+                     "refused budget_exceeded: 25 + 10 points is over its 30 a day"):
         assert expected in text, expected
     assert "Traceback" not in first.output
     assert_crm_hints_run_as_printed(runner, text, home)
@@ -67,6 +76,8 @@ def test_demo_prints_the_summary_and_replays_on_a_second_run(runner: CliRunner,
     assert "Write intents with the guard on (this run): 38 replayed  2 rejected" in second.stdout
     assert "accepted" not in second.stdout.split("Write intents")[1].splitlines()[0]
     assert "no request reached the CRM" in second.stdout  # every push replayed by the agents
+    assert "was approved in an earlier run: replayed" in second.stdout
+    assert "refused budget_exceeded" in second.stdout
     assert "stuck in the network" not in second.stdout.split("guard off")[-1].split("Lead")[0]
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from store.envs import StoreEnv, drop_schema
 
+from toolguard.approvals import ApprovalBook
+from toolguard.guard import ToolGuard
 from toolguard.store import GuardedStore
 
 
@@ -33,3 +36,45 @@ def store(store_env: StoreEnv) -> Iterator[GuardedStore]:
         yield opened
     finally:
         opened.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest, unique: str, tmp_path: Path) -> Iterator[Any]:
+    """A guard's setup: SQLite locks + store, or Redis locks + a PostgreSQL schema of its own."""
+    from guard.harness import Backend
+
+    if request.param == "postgresql":
+        chosen = Backend.postgresql(request.getfixturevalue("postgres_url"),
+                                    request.getfixturevalue("redis_url"), unique)
+    else:
+        chosen = Backend.sqlite(tmp_path)
+    try:
+        yield chosen
+    finally:
+        chosen.drop()
+
+
+@pytest.fixture
+def harness(backend: Any) -> Iterator[Callable[..., Any]]:
+    """``harness(policy, **guard_options)``: a ``Harness`` whose guard takes the options.
+
+    ``approval_clock=`` gives the guard an approval book on that clock.
+    """
+    from guard.harness import Harness
+
+    opened: list[Harness] = []
+
+    def make(policy: Any, *, approval_clock: Any = None, **options: Any) -> Harness:
+        made = Harness(backend, policy)
+        if approval_clock is not None:
+            options["approvals"] = ApprovalBook(made.store, clock=approval_clock)
+        if options:
+            made.guard = ToolGuard(made.policy, locks=made.locks, store=made.store, **options)
+        opened.append(made)
+        return made
+
+    try:
+        yield make
+    finally:
+        for each in opened:
+            each.close()

@@ -92,8 +92,9 @@ def test_the_demos_rejected_intents_in_chromium(browser: Any, demo_home: dict[st
         # the page opens on what was refused, newest first
         assert page.locator("h1").inner_text() == "Rejected intents"
         assert [r["id"] for r in tab.rows()] == [f"#{e.id}" for e in rejected]
-        assert {r["reason"] for r in tab.rows()} == {
-            "stale_fencing_token", "out_of_order", "invalid_arguments", "not_authorized"}
+        assert {r["reason"] for r in tab.rows()} == {  # the pipeline's, then the epilogue's
+            "stale_fencing_token", "out_of_order", "invalid_arguments", "not_authorized",
+            "approval_required", "budget_exceeded"}
         assert page.locator("svg.bars rect").count() >= 2  # the chart, drawn by the server
         tab.shot(tmp_path, "review-rejected")
 

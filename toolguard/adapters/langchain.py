@@ -9,6 +9,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
 from pydantic import ConfigDict, PrivateAttr
 
+from toolguard.adapters._approval import graph_interrupt
 from toolguard.adapters._messages import annotate, refusal_message, replayed_message
 from toolguard.adapters._outcome import ToolOutcome
 from toolguard.adapters._tools import InjectedKeys, model_arguments, tool_refuses
@@ -63,8 +64,9 @@ class GuardedTool(BaseTool):
     def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
         intent, call = self._intent(input, config)
         outcome = ToolOutcome(_call_id(call))
-        decision = self.guard.run(intent, lambda _ctx: outcome.run(
-            lambda: self.inner.invoke(input, config, **kwargs)))
+        decision = self.guard.run(intent, lambda ctx: outcome.run(
+            lambda: self.inner.invoke(_as_approved(input, ctx), config, **kwargs)),
+            interrupt=graph_interrupt(config))
         answer = self._answer(decision, input, call, intent, outcome)
         if answer is _DELEGATE:
             answer = self.inner.invoke(input, config, **kwargs)
@@ -75,10 +77,11 @@ class GuardedTool(BaseTool):
         intent, call = self._intent(input, config)
         outcome = ToolOutcome(_call_id(call))
 
-        async def run_tool(_: CallContext) -> Any:
-            return await outcome.arun(lambda: self.inner.ainvoke(input, config, **kwargs))
+        async def run_tool(ctx: CallContext) -> Any:
+            return await outcome.arun(lambda: self.inner.ainvoke(_as_approved(input, ctx), config,
+                                                                 **kwargs))
 
-        decision = await self.guard.arun(intent, run_tool)
+        decision = await self.guard.arun(intent, run_tool, interrupt=graph_interrupt(config))
         answer = self._answer(decision, input, call, intent, outcome)
         if answer is _DELEGATE:
             answer = await self.inner.ainvoke(input, config, **kwargs)
@@ -108,6 +111,15 @@ class GuardedTool(BaseTool):
 #: "Let the tool answer": its own schema refuses the arguments too, so it raises
 #: its ``ValidationError`` (or answers through ``handle_validation_error``) as always.
 _DELEGATE: Any = object()
+
+
+def _as_approved(tool_input: Any, ctx: CallContext) -> Any:
+    """The input to run: as given, or with the arguments a person edited when approving."""
+    if not ctx.edited or not isinstance(tool_input, dict):
+        return tool_input
+    if tool_input.get("type") == "tool_call":
+        return {**tool_input, "args": {**tool_input.get("args", {}), **ctx.edited}}
+    return {**tool_input, **ctx.edited}
 
 
 def _call_id(call: dict[str, Any]) -> str | None:

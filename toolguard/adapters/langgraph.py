@@ -23,6 +23,7 @@ from langchain_core.messages import ToolMessage
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
+from toolguard.adapters._approval import graph_interrupt
 from toolguard.adapters._messages import (
     annotate,
     refusal_message,
@@ -82,7 +83,9 @@ class GuardedToolCalls:
                        execute: Callable[[ToolCallRequest], Output]) -> Output:
         intent = self._intent(request)
         outcome = ToolOutcome(_call_id(request))
-        decision = self.guard.run(intent, lambda _ctx: outcome.run(lambda: execute(request)))
+        decision = self.guard.run(
+            intent, lambda ctx: outcome.run(lambda: execute(_as_approved(request, ctx))),
+            interrupt=graph_interrupt())
         answer = self._answer(decision, request, intent, outcome)
         return self._annotated(execute(request) if answer is _DELEGATE else answer, outcome, decision)
 
@@ -91,10 +94,10 @@ class GuardedToolCalls:
         intent = self._intent(request)
         outcome = ToolOutcome(_call_id(request))
 
-        async def run_tool(_: CallContext) -> Any:
-            return await outcome.arun(lambda: execute(request))
+        async def run_tool(ctx: CallContext) -> Any:
+            return await outcome.arun(lambda: execute(_as_approved(request, ctx)))
 
-        decision = await self.guard.arun(intent, run_tool)
+        decision = await self.guard.arun(intent, run_tool, interrupt=graph_interrupt())
         answer = self._answer(decision, request, intent, outcome)
         if answer is _DELEGATE:
             answer = await execute(request)
@@ -126,6 +129,14 @@ class GuardedToolCalls:
 #: "Let ToolNode answer": the tool's own validation refuses the arguments too, so it
 #: cannot run, and ToolNode says what it always says (or raises ToolInvocationError).
 _DELEGATE: Any = object()
+
+
+def _as_approved(request: ToolCallRequest, ctx: CallContext) -> ToolCallRequest:
+    """The request to run: as the model sent it, or with the arguments a person edited."""
+    if not ctx.edited:
+        return request
+    call = request.tool_call
+    return request.override(tool_call={**call, "args": {**call.get("args", {}), **ctx.edited}})
 
 
 def _call_id(request: ToolCallRequest) -> str | None:

@@ -25,6 +25,7 @@ from toolguard.store.cli import is_postgres_url, probe_postgres
 
 if TYPE_CHECKING:
     from toolguard.demo import CrmReport, DemoEvent, Report
+    from toolguard.demo.controls import ControlsReport
 
 #: The demo's tools that write a lead or the CRM (request_review only asks a person).
 WRITE_TOOLS = frozenset({"enrich_lead", "update_intent_score", "verify_email", "set_tier",
@@ -99,6 +100,7 @@ def demo(
         _probe(lock_url)
         if json_out:
             unguarded, guarded = _run(lock_url, store_url, policy, None)
+            controls = _controls(lock_url, store_url)
         else:
             out.print(Rule("toolguard demo: the lead qualifier", style="bold"))
             out.print(Text.assemble(
@@ -109,11 +111,14 @@ def demo(
                 ("locks ", "dim"), redact(lock_url), ("  ·  store ", "dim"), redact(store_url),
                 ("  ·  CRM store ", "dim"), _crm_label(store_url)))
             unguarded, guarded = _run(lock_url, store_url, policy, out)
+            controls = _controls(lock_url, store_url)
     if json_out:
         typer.echo(json.dumps({"ok": guarded.correct, "guard_off": unguarded.as_dict(),
-                               "guard_on": guarded.as_dict()}, indent=2, default=str))
+                               "guard_on": guarded.as_dict(), "controls": controls.as_dict()},
+                              indent=2, default=str))
     else:
         _summary(out, unguarded, guarded, store_url)
+        _controls_summary(out, controls, store_url)
     if not guarded.correct:
         raise typer.Exit(EXIT_FAILED)
 
@@ -204,6 +209,44 @@ def _run(lock_url: str, store_url: str, policy: Path | None,
                                         store_options=options, policy_path=policy or POLICY_PATH,
                                         on_event=notify))
     return reports[0], reports[1]
+
+
+def _controls(lock_url: str, store_url: str) -> ControlsReport:
+    from toolguard.demo.controls import run_controls
+
+    options = {"timeout_s": 5.0} if store_url.startswith(("postgresql:", "postgres:")) else {}
+    return run_controls(lock_url=lock_url, store_url=store_url, store_options=options)
+
+
+def _controls_summary(out: Console, report: ControlsReport, store_url: str) -> None:
+    """The epilogue's story: an approval, then a budget refusal, each as the audit log has it."""
+    from toolguard.demo.controls import MANAGER
+
+    out.print()
+    out.print(Rule("Production controls: an approval and a budget (demo/controls.yml)",
+                   style="bold"))
+    if report.approval_id is not None:
+        out.print(Text.assemble(
+            ("  • ", "yellow"), ("router ", "bold"), "asks grant_discount L-101 25% → waits: ",
+            (f"{report.asked.reason}", "yellow"), f" (request {report.approval_id}, large "
+            f"discount: percent > 20)"))
+        out.print(Text.assemble(
+            ("  • ", "green"), (f"{MANAGER} ", "bold"), f"approves {report.approval_id} "
+            "(what `toolguard approve ID` records) → the router's same call runs: ",
+            (report.approved.reason, "green")))
+    else:
+        out.print(Text.assemble(
+            ("  • ", "green"), ("router ", "bold"), "grant_discount L-101 25% was approved in an "
+            "earlier run: ", (report.approved.kind, "green"), " from its record"))
+    retry = report.over_budget.retry_after_s
+    when = f", retry in {retry / 3600:.0f}h" if retry is not None and retry >= 3600 else (
+        f", retry in {retry:.0f}s" if retry is not None else "")
+    out.print(Text.assemble(
+        ("  • ", "red"), ("router ", "bold"), "asks grant_discount L-102 10% → refused ",
+        (report.over_budget.reason, "red"), f": 25 + 10 points is over its 30 a day{when}"))
+    where = next_commands(store_url, None)[0].split(" audit ")
+    out.print(Text(f"  {where[0]} audit --tool grant_discount{where[1].removeprefix('--rejected')}"
+                   f"      # the request, the decision, the runs", style="dim"))
 
 
 @contextlib.contextmanager
