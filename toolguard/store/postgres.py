@@ -468,7 +468,10 @@ def _filled(parts: tuple[str, ...], params: Sequence[Any]) -> bytes | None:
                 return None
             append(quoted)
         append(tail)
-    return "".join(chunks).encode("utf-8")
+    try:
+        return "".join(chunks).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: psycopg's own path says what is wrong
+        return None
 
 
 class _HotCursor(psycopg.ClientCursor[Any]):
