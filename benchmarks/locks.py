@@ -90,6 +90,7 @@ THREADS = (2, 8, 16)
 ROUNDS = 10                # uncontended rounds, interleaved
 FLOOR = "floor"
 PRL = "python-redis-lock"
+REDIS_PY = "redis-py Lock"
 TOOLGUARD = "toolguard"
 
 CAD = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -155,7 +156,7 @@ class ToolguardLock(Contender):
 
 
 class RedisPyLock(Contender):
-    name = "redis-py Lock"
+    name = REDIS_PY
     note = "client.lock(name, timeout, blocking_timeout): SET NX + retry after sleep=0.1 s (default)"
 
     def __init__(self, url: str, ns: str) -> None:
@@ -866,6 +867,10 @@ def print_targets(uncontended: dict[str, Uncontended], runs: list[Contended], pl
 
     table.add_row("uncontended cycles/s vs floor", fmt_ratio(tg_ratio), ">= 0.85x",
                   verdict(tg_ratio >= 0.85 if known(tg_ratio) else None))
+    rp = uncontended.get(REDIS_PY)
+    rp_ratio = tg.ratio_to(rp) if tg and rp else math.nan
+    table.add_row(f"uncontended cycles/s vs {REDIS_PY}", fmt_ratio(rp_ratio), ">= 1.00x",
+                  verdict(rp_ratio >= 1.0 if known(rp_ratio) else None))
     if tg16 and prl16:
         speed = ratio(tg16.rate, prl16.rate)
         tg_p50, prl_p50 = summarize(tg16.handoffs_s).p50, summarize(prl16.handoffs_s).p50

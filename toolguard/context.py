@@ -9,9 +9,8 @@ threads, and asyncio tasks inherit it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator, Mapping
-from contextvars import ContextVar
+from collections.abc import Mapping
+from contextvars import ContextVar, Token
 from typing import Any
 
 from pydantic import BaseModel
@@ -134,10 +133,24 @@ def current_or_none() -> CallContext | None:
     return _current.get()
 
 
-@contextlib.contextmanager
-def bind(ctx: CallContext) -> Iterator[CallContext]:
-    token = _current.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _current.reset(token)
+class bind:  # used as a function: ``with bind(ctx) as ctx:``
+    """``with bind(ctx):`` makes ``ctx`` the current call context for the block.
+
+    A class rather than a generator-based context manager: it runs twice on every
+    guarded call, and this form costs a fraction of ``contextlib``'s.
+    """
+
+    __slots__ = ("_ctx", "_token")
+
+    def __init__(self, ctx: CallContext) -> None:
+        self._ctx = ctx
+        self._token: Token[CallContext | None] | None = None
+
+    def __enter__(self) -> CallContext:
+        self._token = _current.set(self._ctx)
+        return self._ctx
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NoReturn
@@ -155,7 +156,12 @@ def default_idempotency_key(intent: Intent, scope: IdempotencyScope = "thread") 
     return None
 
 
+_UNQUOTED = re.compile(r"[A-Za-z0-9_.~-]*")
+
+
 def _part(text: str) -> str:
+    if _UNQUOTED.fullmatch(text):  # nothing ``quote`` would change
+        return text
     return quote(text, safe="", errors="surrogatepass")
 
 
@@ -195,10 +201,16 @@ def json_args(args: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     return dict(to_jsonable_python(dict(args)))
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
+
+
 def canonical_json(value: Any) -> str:
     """Sorted keys, no spaces, UTF-8 text, no NaN: equal values give equal text."""
-    return json.dumps(to_jsonable_python(value), sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False, allow_nan=False)
+    try:  # already plain JSON values (the usual case): no conversion pass first
+        return _CANONICAL.encode(value)
+    except TypeError:
+        return _CANONICAL.encode(to_jsonable_python(value))
 
 
 def args_hash(args: BaseModel | Mapping[str, Any]) -> str:
@@ -207,7 +219,8 @@ def args_hash(args: BaseModel | Mapping[str, Any]) -> str:
     Stored with the idempotency record: the same key with another hash is a
     conflict, not a replay.
     """
-    return hashlib.sha256(canonical_json(json_args(args)).encode("utf-8")).hexdigest()
+    form = args if type(args) is dict else json_args(args)  # a dict: json_args' output already
+    return hashlib.sha256(canonical_json(form).encode("utf-8")).hexdigest()
 
 
 # --- limits on untrusted input ---------------------------------------------------------
@@ -241,63 +254,88 @@ def check_limits(args: Any, limits: Limits = DEFAULT_LIMITS, *, root: str = "arg
     Walks iteratively (a 10,000-deep list cannot overflow the stack) and stops
     as soon as the compact JSON size passes ``max_bytes``. Values that are not
     JSON (bytes, NaN, lone surrogates, non-string keys) are rejected too.
+    The path of a value is only spelled out when it is named in an error.
     """
     total = 0
-    stack: list[tuple[Any, str, int]] = [(args, root, 0)]
+    # (value, where, depth); where is None for the root, else (parent's where, key or index).
+    stack: list[tuple[Any, Any, int]] = [(args, None, 0)]
+    max_string, max_bytes = limits.max_string, limits.max_bytes
     while stack:
-        value, path, depth = stack.pop()
-        if value is None or isinstance(value, bool):
+        value, where, depth = stack.pop()
+        kind = type(value)
+        if kind is str:  # the common kinds first, by exact type
+            if len(value) > max_string:
+                _reject(f"{_path(root, where)}: string longer than {max_string}")
+            total += _json_size(value, root, where, "string")
+        elif kind is int:
+            if value.bit_length() * _LOG10_2 >= max_string:  # i.e. more than max_string digits
+                _reject(f"{_path(root, where)}: integer longer than {max_string} digits")
+            total += len(str(value))
+        elif value is None or isinstance(value, bool):
             total += 4 if value in (None, True) else 5
         elif isinstance(value, int):
             digits = int(value.bit_length() * _LOG10_2) + 1
-            if digits > limits.max_string:
-                _reject(f"{path}: integer longer than {limits.max_string} digits")
+            if digits > max_string:
+                _reject(f"{_path(root, where)}: integer longer than {max_string} digits")
             total += len(str(value))
         elif isinstance(value, float):
             if not math.isfinite(value):
-                _reject(f"{path}: not a finite number")
+                _reject(f"{_path(root, where)}: not a finite number")
             total += len(repr(value))
         elif isinstance(value, str):
-            total += _string_size(value, path, limits, what="string")
-        elif isinstance(value, Mapping):
-            _check_depth(path, depth + 1, limits)
+            if len(value) > max_string:
+                _reject(f"{_path(root, where)}: string longer than {max_string}")
+            total += _json_size(value, root, where, "string")
+        elif kind is dict or isinstance(value, Mapping):
+            if depth + 1 > limits.max_depth:
+                _reject(f"{_path(root, where)}: nested deeper than {limits.max_depth} levels")
             if len(value) > limits.max_keys:
-                _reject(f"{path}: more than {limits.max_keys} keys")
+                _reject(f"{_path(root, where)}: more than {limits.max_keys} keys")
             total += 2 + max(len(value) - 1, 0)
             children = []
             for key, child in value.items():
-                if not isinstance(key, str):
-                    _reject(f"{path}: object key of type {type(key).__name__}, expected a string")
-                total += _string_size(key, f"{path}{_key_suffix(key)}", limits, what="key") + 1
-                children.append((child, f"{path}{_key_suffix(key)}", depth + 1))
-                if total > limits.max_bytes:
+                if type(key) is not str and not isinstance(key, str):
+                    _reject(f"{_path(root, where)}: object key of type {type(key).__name__}, "
+                            "expected a string")
+                at = (where, key)
+                if len(key) > max_string:
+                    _reject(f"{_path(root, at)}: key longer than {max_string}")
+                total += _json_size(key, root, at, "key") + 1
+                children.append((child, at, depth + 1))
+                if total > max_bytes:
                     break
             stack.extend(reversed(children))
         elif isinstance(value, (list, tuple)):
-            _check_depth(path, depth + 1, limits)
+            if depth + 1 > limits.max_depth:
+                _reject(f"{_path(root, where)}: nested deeper than {limits.max_depth} levels")
             if len(value) > limits.max_items:
-                _reject(f"{path}: more than {limits.max_items} items")
+                _reject(f"{_path(root, where)}: more than {limits.max_items} items")
             total += 2 + max(len(value) - 1, 0)
-            stack.extend((value[i], f"{path}[{i}]", depth + 1) for i in reversed(range(len(value))))
+            stack.extend((value[i], (where, i), depth + 1) for i in reversed(range(len(value))))
         else:
-            _reject(f"{path}: {type(value).__name__} is not a JSON value")
-        if total > limits.max_bytes:
-            _reject(f"{root}: larger than {limits.max_bytes} bytes as JSON")
+            _reject(f"{_path(root, where)}: {type(value).__name__} is not a JSON value")
+        if total > max_bytes:
+            _reject(f"{root}: larger than {max_bytes} bytes as JSON")
 
 
-def _string_size(text: str, path: str, limits: Limits, *, what: str) -> int:
-    if len(text) > limits.max_string:
-        _reject(f"{path}: {what} longer than {limits.max_string}")
+def _path(root: str, where: Any) -> str:
+    """The path text of ``where`` (a chain of ``(parent, key or index)``) under ``root``."""
+    steps: list[str] = []
+    while where is not None:
+        where, step = where
+        steps.append(f"[{step}]" if type(step) is int else _key_suffix(step))
+    return root + "".join(reversed(steps))
+
+
+def _json_size(text: str, root: str, where: Any, what: str) -> int:
+    """Bytes of ``text`` as a JSON string (UTF-8); ``InvalidArguments`` for a lone surrogate."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return len(text) + 2  # nothing to escape: the quotes are all JSON adds
     try:
         encoded = json.encoder.encode_basestring(text).encode("utf-8")
     except UnicodeEncodeError:
-        _reject(f"{path}: {what} is not valid Unicode (lone surrogate)")
+        _reject(f"{_path(root, where)}: {what} is not valid Unicode (lone surrogate)")
     return len(encoded)
-
-
-def _check_depth(path: str, depth: int, limits: Limits) -> None:
-    if depth > limits.max_depth:
-        _reject(f"{path}: nested deeper than {limits.max_depth} levels")
 
 
 def _key_suffix(key: str) -> str:

@@ -20,8 +20,8 @@ Two rules every backend keeps, on which the manager's safety argument rests
 from __future__ import annotations
 
 import math
+import os
 import random
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -146,6 +146,10 @@ class AsyncLockBackend(Protocol):
 
 def canonical_keys(keys: str | Iterable[str]) -> tuple[str, ...]:
     """Sorted, de-duplicated keys: the one order every agent takes them in."""
+    if type(keys) is str and keys:  # the common case, without the checks below
+        return (keys,)
+    if type(keys) is tuple and keys and all(type(k) is str and k for k in keys):
+        return tuple(sorted(set(keys)))
     if isinstance(keys, str):
         keys = (keys,)
     if isinstance(keys, bytes | bytearray | memoryview) or not isinstance(keys, Iterable):
@@ -170,9 +174,10 @@ def new_owner(ttl_ms: int, handoff_ms: int | None = None) -> str:
     presence window: a waiter that died while queued then holds up the line no
     longer than that).
     """
+    unique = os.urandom(16).hex()  # as unique as a uuid4, without building a UUID
     if handoff_ms is None or handoff_ms >= ttl_ms:
-        return f"{uuid.uuid4().hex}:{ttl_ms}"
-    return f"{uuid.uuid4().hex}:{handoff_ms}:{ttl_ms}"
+        return f"{unique}:{ttl_ms}"
+    return f"{unique}:{handoff_ms}:{ttl_ms}"
 
 
 def owner_ttl_ms(owner: str) -> int:

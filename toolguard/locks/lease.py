@@ -27,6 +27,10 @@ DRIFT_FRACTION = 0.02
 #: A backend's renewal thread exits after this long without work.
 RENEWER_IDLE_S = 30.0
 
+#: Guards the rare paths of every lease (loss, loss callbacks, the lazily made event):
+#: a lease that is released before anything goes wrong never builds a lock or an event.
+_RARE = threading.Lock()
+
 
 class Lease:
     """Proof of holding one or more lock keys, with the fencing token of each.
@@ -61,13 +65,13 @@ class Lease:
         self.ttl_ms = ttl_ms
         self.acquired_at = acquired_at
         self.deadline = acquired_at + first_ms / 1000 * (1 - DRIFT_FRACTION)
-        self.lost_event = threading.Event()
         self.lost_reason: LockLost | None = None
         self.released = False
+        self._lost = False
+        self._event: threading.Event | None = None
         self._backend = backend
         self._releaser = releaser
         self._callbacks: list[Callable[[Lease], None]] = []
-        self._lock = threading.Lock()
         #: When the heartbeat should renew next: a third into the TTL the grant runs for.
         self._renew_due = acquired_at + first_ms / 1000 * RENEW_FRACTION
 
@@ -79,11 +83,25 @@ class Lease:
         return max(self.tokens.values())
 
     @property
+    def lost_event(self) -> threading.Event:
+        """Set the moment the lease is lost (made on first use; set at once if lost already)."""
+        event = self._event
+        if event is None:
+            with _RARE:
+                if self._event is None:
+                    made = threading.Event()
+                    if self._lost:
+                        made.set()
+                    self._event = made
+                event = self._event
+        return event
+
+    @property
     def lost(self) -> bool:
-        if not self.lost_event.is_set() and not self.released and time.monotonic() > self.deadline:
+        if not self._lost and not self.released and time.monotonic() > self.deadline:
             self.mark_lost(LockLost(f"lease on {', '.join(self.keys)} expired locally",
                                    keys=self.keys))
-        return self.lost_event.is_set()
+        return self._lost
 
     def check(self) -> None:
         """Raise ``LockLost`` if the lease is no longer safe to act under."""
@@ -96,18 +114,20 @@ class Lease:
 
     def on_lost(self, callback: Callable[[Lease], None]) -> None:
         """Call ``callback(lease)`` once, from the renewal thread, when the lease is lost."""
-        with self._lock:
-            if not self.lost_event.is_set():
+        with _RARE:
+            if not self._lost:
                 self._callbacks.append(callback)
                 return
         callback(self)
 
     def mark_lost(self, error: LockLost) -> None:
-        with self._lock:
-            if self.lost_event.is_set() or self.released:
+        with _RARE:
+            if self._lost or self.released:
                 return
             self.lost_reason = error
-            self.lost_event.set()
+            self._lost = True
+            if self._event is not None:
+                self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         log.warning("lease lost: %s", error)
         _count_lost(error)
@@ -133,7 +153,7 @@ class Lease:
         self.release()
 
     def __repr__(self) -> str:
-        state = "lost" if self.lost_event.is_set() else ("released" if self.released else "held")
+        state = "lost" if self._lost else ("released" if self.released else "held")
         return f"Lease(keys={list(self.keys)}, tokens={dict(self.tokens)}, {state})"
 
 
@@ -203,7 +223,7 @@ class Heartbeat:
                 due: set[int] = set()
                 wake = now + 1.0
                 for lease in list(self._leases.values()):
-                    if lease.lost_event.is_set() or lease.released:
+                    if lease._lost or lease.released:
                         self._leases.pop(id(lease), None)  # a lost lease is never renewed again
                     elif now >= lease.deadline:
                         expired.append(lease)

@@ -222,6 +222,7 @@ class _ManagerBase:
         self.round_wait_s = check_seconds("round_wait_s", round_wait_s, positive=True)
         self.backoff_base_s = check_seconds("backoff_base_s", backoff_base_s)
         self.backoff_cap_s = check_seconds("backoff_cap_s", backoff_cap_s)
+        self._presence: int | None = None  # the backend's presence window, once read
         if self.backoff_cap_s < self.backoff_base_s:
             msg = (f"backoff_cap_s ({backoff_cap_s!r}) must not be below backoff_base_s "
                    f"({backoff_base_s!r})")
@@ -231,6 +232,14 @@ class _ManagerBase:
         presence = getattr(self._queueing_backend(), "presence_ms", None)
         return presence if isinstance(presence, int) and presence > 0 else None
 
+    def _handoff_ms(self, ttl: int) -> int:
+        """The hand-off TTL of an acquisition of ``ttl`` ms (the backend's presence window
+        is read once: it is fixed when the backend is made)."""
+        presence = self._presence
+        if presence is None:
+            presence = self._presence = self._presence_ms() or 0
+        return min(ttl, presence) if presence else ttl
+
     def _queueing_backend(self) -> Any:
         raise NotImplementedError
 
@@ -239,7 +248,6 @@ class _ManagerBase:
         canonical = _check_keys_and_options(keys, ttl_ms, timeout_s)
         wait = self.timeout_s if timeout_s is None else timeout_s
         ttl = self.ttl_ms if ttl_ms is None else ttl_ms
-        presence = self._presence_ms()
         return _Plan(
             keys=canonical,
             ttl_ms=ttl,
@@ -247,7 +255,7 @@ class _ManagerBase:
             round_wait_s=self.round_wait_s,
             backoff_base_s=self.backoff_base_s,
             backoff_cap_s=self.backoff_cap_s,
-            handoff_ms=min(ttl, presence) if presence else ttl,
+            handoff_ms=self._handoff_ms(ttl),
         )
 
     def _new_lease(self, plan: _Plan, renewer: LockBackend) -> Lease:

@@ -28,6 +28,7 @@ now, with a fresh token.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ import redis
 import redis.asyncio as aredis
 from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolguard.errors import BackendUnavailable, ConfigurationError
@@ -103,13 +104,15 @@ return -left
 # ("hex:handoff:ttl", or "hex:ttl"), and push the token onto its wake-up list
 # (ARGV[2] .. owner).
 # A holder is never queued (every grant dequeues it), so the holder's path skips
-# the queue clean-up: four calls when nobody waits.
+# the queue clean-up: three calls when nobody waits. It leaves its own wake-up
+# list alone too: a token there (a hand-off it took by asking again) expires with
+# that hand-off's TTL, and ACQUIRE empties the list before the owner queues again.
 # KEYS: lock, fence, q, qx   ARGV: owner, signal prefix, counter_ttl_ms
 # Returns 1 if ARGV[1] held the lock, else 0.
 RELEASE = """
 local owner = ARGV[1]
-redis.call('DEL', ARGV[2] .. owner)  -- a late hand-off's token, or an empty list
 if redis.call('GET', KEYS[1]) ~= owner then
+  redis.call('DEL', ARGV[2] .. owner)  -- a late hand-off's token, or an empty list
   redis.call('ZREM', KEYS[3], owner)
   redis.call('ZREM', KEYS[4], owner)
   return 0
@@ -259,8 +262,31 @@ def _block_cap(client: Any) -> float | None:
     return max(0.001, float(timeout) / 2) if timeout else None
 
 
+def _direct_pool(client: Any) -> Any:
+    """The client's pool if the hot path may borrow connections from it directly, else None.
+
+    Only a plain, unbounded ``ConnectionPool`` of a client without a dedicated
+    connection: connections kept idle by the backend cannot starve a bounded
+    pool's other users. Sentinel, Cluster and bounded pools take the usual path.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if getattr(client, "connection", None) is not None or type(pool) is not redis.ConnectionPool:
+        return None
+    if pool.max_connections < 2**31:
+        return None
+    return pool
+
+
 class RedisBackend(_RedisShared):
-    """Sync Redis backend (redis-py); scripts are registered once and run by SHA."""
+    """Sync Redis backend (redis-py); scripts are registered once and run by SHA.
+
+    The hot path (``try_acquire``, ``release``, ``wait``) sends its one command on a
+    connection of the backend's own idle list, borrowed from the client's pool
+    once, with the connection's retry policy: redis-py's per-command bookkeeping
+    (pool state, observability, events) costs more client CPU than the command's
+    round trip. A connection that raised anything is disconnected before it is
+    used again, so it never carries an unread reply into the next call.
+    """
 
     def __init__(self, client: redis.Redis | str = "redis://127.0.0.1:6379/0", *,
                  prefix: str = DEFAULT_PREFIX, presence_ms: int = DEFAULT_PRESENCE_MS,
@@ -272,13 +298,47 @@ class RedisBackend(_RedisShared):
         self._release = self.client.register_script(RELEASE)
         self._renew = self.client.register_script(RENEW)
         self._raise_floor = self.client.register_script(RAISE_FLOOR)
+        self._pool = _direct_pool(self.client)
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+
+    def _command(self, command: tuple[Any, ...]) -> Any:
+        """Send ``command``, return the raw reply (no response callback applied)."""
+        pool = self._pool
+        if pool is None:
+            return self.client.execute_command(*command)
+        idle = self._idle
+        if self._pid != os.getpid():  # forked: the parent's sockets are not ours
+            idle.clear()
+            self._pid = os.getpid()
+        try:
+            conn = idle.pop()
+        except IndexError:
+            conn = pool.get_connection()
+        try:
+            reply = conn.retry.call_with_retry(lambda: self._send(conn, command),
+                                               lambda _error: conn.disconnect())
+        except ResponseError:  # the server's answer, read whole: the connection is clean
+            idle.append(conn)
+            raise
+        except BaseException:
+            conn.disconnect()
+            idle.append(conn)
+            raise
+        idle.append(conn)
+        return reply
+
+    @staticmethod
+    def _send(conn: Any, command: tuple[Any, ...]) -> Any:
+        conn.send_packed_command(conn.pack_command(*command), check_health=True)
+        return conn.read_response()
 
     def _evalsha(self, script: Script, command: tuple[Any, ...]) -> Any:
         try:
-            return self.client.execute_command(*command)
+            return self._command(command)
         except NoScriptError:
             self.client.script_load(script.script)
-            return self.client.execute_command(*command)
+            return self._command(command)
 
     def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
         command = self._acquire_command(self._acquire.sha, key, owner, ttl_ms)
@@ -289,8 +349,8 @@ class RedisBackend(_RedisShared):
 
     def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
         try:
-            reply = self.client.execute_command("BLPOP", self._signal_key(key, owner),
-                                                self._block_s(timeout_s))
+            reply = self._command(("BLPOP", self._signal_key(key, owner),
+                                   self._block_s(timeout_s)))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
         return int(reply[1]) if reply else None
@@ -336,6 +396,10 @@ class RedisBackend(_RedisShared):
         return int(self.client.get(self._fence_key(key)) or 0)  # type: ignore[arg-type]
 
     def close(self) -> None:
+        idle, self._idle = self._idle, []
+        if self._pool is not None and self._pid == os.getpid():
+            for conn in idle:  # back to the pool, which the client's close disconnects
+                self._pool.release(conn)
         self.client.close()
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar, cast
@@ -270,6 +271,9 @@ class RedisClusterBackend(single.RedisBackend):
         self._release = scripts.register_script(single.RELEASE)
         self._renew = scripts.register_script(single.RENEW)
         self._raise_floor = scripts.register_script(single.RAISE_FLOOR)
+        self._pool = None  # every command takes the cluster client's own path
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
 
     try_acquire = _translated(single.RedisBackend.try_acquire)
     wait = _translated(single.RedisBackend.wait)

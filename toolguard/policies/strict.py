@@ -79,6 +79,10 @@ def json_schema_of(source: SchemaSource) -> dict[str, Any]:
     raise TypeError(msg)
 
 
+#: ``json.dumps(value, allow_nan=False)``, built once.
+_STRICT_JSON = json.JSONEncoder(allow_nan=False)
+
+
 def validate_args(model: type[BaseModel], args: Any, *, root: str = "args") -> BaseModel:
     """Validate raw (untrusted) arguments; raise ``InvalidArguments`` naming each bad field.
 
@@ -90,7 +94,7 @@ def validate_args(model: type[BaseModel], args: Any, *, root: str = "args") -> B
         msg = f"{root}: expected an object of named arguments, got {_json_kind(args)}"
         raise InvalidArguments(msg)
     try:
-        text = json.dumps(args, allow_nan=False)
+        text = _STRICT_JSON.encode(args)
     except (TypeError, ValueError) as error:
         msg = f"{root}: not JSON ({error})"
         raise InvalidArguments(msg) from None

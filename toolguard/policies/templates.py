@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import re
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,8 +54,13 @@ _MAX_SHOWN = 60
 MAX_VALUE_CHARS = 256
 
 
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]*")
+
+
 def escape_text(text: str) -> str:
     """Percent-encode every UTF-8 byte outside ``A-Z a-z 0-9 _ -``; injective."""
+    if _ALL_SAFE.fullmatch(text):  # the usual id: nothing to encode
+        return text
     out: list[str] = []
     for char in text:
         if char in _SAFE:
@@ -176,6 +182,9 @@ class KeyTemplate:
         Raise ``InvalidArguments`` naming the argument when a value is missing,
         ``null``, or not a scalar. A ``[*]`` over an empty list renders no key.
         """
+        plain = self._render_plain(args)
+        if plain is not None:
+            return plain
         choices: list[list[str]] = []
         for path in self.fields:
             values: list[str] = []
@@ -196,6 +205,33 @@ class KeyTemplate:
             for combo in itertools.product(*choices)
         }
         return tuple(sorted(keys))
+
+    def _render_plain(self, args: Mapping[str, Any]) -> tuple[str, ...] | None:
+        """The one key of a template without ``[*]`` whose values are all there and
+        scalar (the usual call), without the general path; None otherwise (``render``
+        then takes the general path, which also names any problem)."""
+        values: list[str] = []
+        for path in self.fields:
+            if path.stars:
+                return None
+            data: Any = args
+            for part in path.parts:
+                if type(data) is not dict:
+                    return None
+                data = data.get(part, MISSING)
+            if data is MISSING or data is None:
+                return None
+            try:
+                values.append(escape_value(data))
+            except (TypeError, ValueError):
+                return None
+        pieces = [self.literals[0]]
+        for value, literal in zip(values, self.literals[1:], strict=False):
+            pieces.append(value)
+            pieces.append(literal)
+        if len(self.literals) != len(values) + 1:
+            return None  # not the shape ``render`` assembles below: let it do the work
+        return ("".join(pieces),)
 
     # pydantic: accept the text or a KeyTemplate, serialize back to the text.
     @classmethod

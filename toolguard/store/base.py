@@ -152,6 +152,8 @@ class IntentRecord:
         for name in _INTENT_TEXT:
             value = getattr(self, name)
             for text in (value if name == "keys" else (value,)):
+                if type(text) is str and text.isascii() and "\x00" not in text:
+                    continue  # the usual text: nothing a store refuses
                 problem = text_problem(text) if isinstance(text, str) else None
                 if problem:
                     msg = f"intent field {name!r} {problem}: {text!r} (the stores cannot keep it)"

@@ -6,9 +6,11 @@ tool's own statements: ``BEGIN; SELECT toolguard_enter(...)`` (every fence, in
 sorted order, then the intent row: created, locked, checked for a replay or a
 conflict) as one message, then ``SELECT toolguard_apply(...); INSERT INTO
 toolguard_audit ...; COMMIT`` as one message. Both are sent with client-side
-binding (``ClientCursor``: the values are still passed as parameters and
-quoted by psycopg, never formatted into the SQL by hand), which costs less
-client CPU than pipeline mode for the same single round trip. A failed write
+binding, which costs less client CPU than pipeline mode for the same single
+round trip: a ``ClientCursor`` subclass kept per connection (``_HotCursor``)
+quotes each value as one literal (never formatted into the SQL by hand) and
+skips psycopg's per-value adapters and prepared-statement bookkeeping; any
+other value type, or unusual server settings, take psycopg's own quoting. A failed write
 sends its ``ROLLBACK`` together with the audit row (written after the
 rollback, in a transaction of its own) the same way. A replay (the intent was
 applied before) sends ``COMMIT`` instead: its fences were checked and advanced
@@ -45,6 +47,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -53,7 +56,7 @@ from datetime import datetime
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar, cast
 
 import psycopg
-from psycopg import sql
+from psycopg import generators, sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
@@ -402,6 +405,117 @@ def _ended(tx_status: TransactionStatus) -> StoreError | None:
     return StoreError(msg, reason="transaction_ended")
 
 
+# --- the hot path's statements ------------------------------------------------------------
+#
+# ``enter`` and ``finish`` send a fixed template whose parameters are plain values (text,
+# integers, floats, None), with client-side binding. psycopg's ``ClientCursor`` quotes
+# each value through its adapters (one dumper lookup and call per value) and counts the
+# merged text for statement preparation (never useful: the values differ every time).
+# ``_HotCursor`` fills these templates itself: each value still becomes one quoted
+# literal (``_literal``), never formatted into SQL by hand, and a value of another type,
+# or a connection whose literals follow other rules, takes ``ClientCursor``'s own path.
+
+
+def _template(query: str) -> tuple[str, ...]:
+    """``query`` split at its ``%s`` placeholders (it must hold no other ``%``)."""
+    parts = tuple(query.split("%s"))
+    if any("%" in part for part in parts):
+        msg = f"a hot-path template takes only %s placeholders: {query!r}"
+        raise AssertionError(msg)
+    return parts
+
+
+_TEMPLATES = {query: _template(query) for query in (ENTER_TX, FINISH_TX, FINISH_TX_NO_INTENT)}
+_NUL_TEXT = "PostgreSQL text fields cannot contain NUL (0x00) bytes"
+
+
+def _literal(value: Any) -> str | None:
+    """One SQL literal for ``value`` (standard_conforming_strings on), or None if ``value``
+    is not of a type this path quotes."""
+    kind = type(value)
+    if isinstance(value, str) and kind is str:
+        if "\x00" in value:
+            raise psycopg.DataError(_NUL_TEXT)
+        return "'" + value.replace("'", "''") + "'"
+    if value is None:
+        return "NULL"
+    if kind is int:
+        return f"'{value:d}'"
+    if kind is float and math.isfinite(value):
+        return f"'{value!r}'"
+    if kind is bool:
+        return "true" if value else "false"
+    return None
+
+
+def _filled(parts: tuple[str, ...], params: Sequence[Any]) -> bytes | None:
+    """``parts`` joined by the literals of ``params`` (UTF-8); None if a value needs
+    psycopg's own quoting."""
+    if len(params) != len(parts) - 1:
+        return None
+    chunks = [parts[0]]
+    append = chunks.append
+    for value, tail in zip(params, parts[1:], strict=True):
+        if type(value) is str:  # the usual value: inline, the rest through _literal
+            if "\x00" in value:
+                raise psycopg.DataError(_NUL_TEXT)
+            append("'" + value.replace("'", "''") + "'")
+        elif value is None:
+            append("NULL")
+        else:
+            quoted = _literal(value)
+            if quoted is None:
+                return None
+            append(quoted)
+        append(tail)
+    try:
+        return "".join(chunks).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: psycopg's own path says what is wrong
+        return None
+
+
+class _HotCursor(psycopg.ClientCursor[Any]):
+    """A ``ClientCursor`` that fills the hot-path templates with ``_literal`` and sends them
+    as one simple query, past the prepared-statement bookkeeping (never prepared: the
+    merged text differs on every call). Anything else is ``ClientCursor``'s own path."""
+
+    def _execute_gen(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                     binary: bool | None = None) -> Any:
+        built = self._hot(query, params)
+        if built is None:
+            return (yield from super()._execute_gen(query, params, prepare=prepare,
+                                                    binary=binary))
+        yield from self._start_query(query)
+        pgconn = self._pgconn
+        pgconn.send_query(built)
+        results = yield from generators.execute(pgconn)
+        self._check_results(results)
+        self._set_results(results)
+        self._last_query = query
+        return None
+
+    def _hot(self, query: Any, params: Any) -> bytes | None:
+        parts = _TEMPLATES.get(query) if type(query) is str and params is not None else None
+        conn = self._conn
+        if parts is None or conn._pipeline is not None or (
+                self._pgconn.parameter_status(b"standard_conforming_strings") != b"on"
+                or conn.info.encoding != "utf-8"):
+            return None
+        return _filled(parts, params)
+
+
+def _hot_cursor(conn: psycopg.Connection[Any], slot: str) -> _HotCursor:
+    """The connection's own ``_HotCursor`` for one template (``slot``), made once.
+
+    One per template: a cursor keeps its adapters while it runs the same query
+    object again, which saves building them on every call.
+    """
+    cursor = conn.__dict__.get(slot)
+    if cursor is None:
+        cursor = conn.__dict__[slot] = _HotCursor(conn)
+    return cast(_HotCursor, cursor)
+
+
 class _PgBase:
     dialect = DIALECT
 
@@ -463,14 +577,17 @@ class _Session:
 
     def enter(self, plan: FencePlan) -> FencedTransaction:
         conn = self.conn
-        cursor = psycopg.ClientCursor(conn)
-        cursor.execute(ENTER_TX, _enter_params(plan))
+        cursor = _hot_cursor(conn, "_toolguard_enter")
+        cursor.execute(ENTER_TX, _enter_params(plan), prepare=False)
         cursor.nextset()  # past BEGIN's empty result
-        row = cursor.fetchone()
-        assert row is not None
-        if row[0]:
-            self.replay = _duplicate(plan, row[1])
-            raise self.replay
+        found = cursor.pgresult
+        # The usual answer, "not applied", read without loading the row.
+        if found is None or found.ntuples != 1 or found.get_value(0, 0) != b"f":
+            row = cursor.fetchone()
+            assert row is not None
+            if row[0]:
+                self.replay = _duplicate(plan, row[1])
+                raise self.replay
         self.tx = FencedTransaction(conn, plan, DIALECT, self._execute)
         return self.tx
 
@@ -481,7 +598,7 @@ class _Session:
         if problem is not None:
             raise problem
         query, params = _finish_params(tx, entry)
-        psycopg.ClientCursor(self.conn).execute(query, params)
+        _hot_cursor(self.conn, "_toolguard_finish").execute(query, params, prepare=False)
 
     def abort(self, error: BaseException) -> BaseException:
         # The ROLLBACK (a replay's COMMIT) goes out with the failure's audit row, in one
