@@ -64,6 +64,7 @@ from toolguard.steps.order import await_order, wait_for_order
 from toolguard.steps.pause import acheck_pause, check_pause
 from toolguard.steps.prepared import Prepared, accepted, unknown
 from toolguard.steps.quota import aadmit, admit, aheld, held
+from toolguard.steps.schema import SchemaCheck
 from toolguard.steps.shadow import ShadowRow
 from toolguard.steps.validate import facts_of, prepare
 from toolguard.store import AsyncGuardedStore, GuardedStore
@@ -152,6 +153,7 @@ class ToolGuard:
         self.async_locks = async_locks
         self.async_store = async_store
         self._models: dict[str, type[BaseModel]] = {}
+        self._schema = SchemaCheck()
         self.controls = Controls.build(
             self._policy, store=store, async_store=async_store, quotas=quotas,
             async_quotas=async_quotas, pauses=pauses, pause_cache_s=pause_cache_s,
@@ -239,6 +241,7 @@ class ToolGuard:
         with telemetry.start_call(intent, state.policy.tools) as call:
             try:
                 locks, store = self._sync_edges()
+                self._schema.check(store)
                 check_pause(self.controls.pauses, intent)
                 state.prepared = self._traced_prepare(state, call)
                 approved = approve(
@@ -344,6 +347,7 @@ class ToolGuard:
         with telemetry.start_call(intent, state.policy.tools) as call:
             try:
                 locks, store = self._async_edges()
+                await self._schema.acheck(store)
                 await acheck_pause(self.controls.async_pauses, intent)
                 state.prepared = self._traced_prepare(state, call)
 

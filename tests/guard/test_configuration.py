@@ -18,6 +18,7 @@ import asyncio
 import gc
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 from langchain.agents import create_agent
@@ -44,6 +45,7 @@ from toolguard.errors import (
     UnknownToolWarning,
 )
 from toolguard.guard import ToolGuard
+from toolguard.intent import Intent
 from toolguard.locks import connect
 from toolguard.policies import Policy
 from toolguard.store import AuditEntry
@@ -266,3 +268,83 @@ def test_when_the_store_is_what_failed_the_decision_stands_and_the_log_says_so(
 
     assert (decision.kind, decision.reason) == ("rejected", "invalid_intent")
     assert "could not audit rejected/invalid_intent: store: connection refused" in caplog.text
+
+
+# --- a store whose schema is behind this toolguard ----------------------------------------------
+
+
+@pytest.mark.parametrize("pauses", [True, False], ids=["kill-switch-on", "kill-switch-off"])
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_store_without_the_current_schema_raises_to_the_developer(
+        tmp_path: Path, dialect: str, pauses: bool) -> None:
+    """A store installed by an older toolguard (only its first migration) is a setup
+    mistake: it used to reach the model as a refusal on every call (``backend_unavailable``
+    from the kill switch, ``store_error`` from the fenced write) while nothing ran."""
+    import os
+    import uuid
+
+    from toolguard.store import migrations, open_store
+
+    if dialect == "sqlite":
+        store = open_store(f"sqlite:///{tmp_path / 'old.db'}")
+    else:
+        schema = f"tg_old_{uuid.uuid4().hex[:8]}"
+        store = open_store(os.environ.get("TOOLGUARD_TEST_DATABASE_URL",
+                                          "postgresql://postgres@127.0.0.1:5432/test"),
+                           schema=schema)
+    try:
+        store.install(steps=migrations(dialect)[:1])
+        guard = ToolGuard(Policy.from_dict(LEAD_POLICY),
+                          locks=connect(f"sqlite:///{tmp_path}/locks.db"), store=store,
+                          pauses=pauses)
+        ran: list[str] = []
+        with pytest.raises(ConfigurationError, match="toolguard db init"):
+            guard.run(Intent(tool=CALL[0], args=CALL[1], call_id=CALL[2], agent="scorer"),
+                      lambda ctx: ran.append("ran"))
+        assert ran == []
+    finally:
+        if dialect == "postgresql":
+            with store.connection() as conn:
+                conn.execute(f"DROP SCHEMA {schema} CASCADE")
+        store.close()
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_an_async_store_without_the_current_schema_raises_too(tmp_path: Path, dialect: str) -> None:
+    import os
+    import uuid
+
+    from toolguard.locks import connect_async
+    from toolguard.store import migrations, open_async_store, open_store
+
+    schema = f"tg_old_{uuid.uuid4().hex[:8]}"
+    url = (f"sqlite:///{tmp_path / 'old.db'}" if dialect == "sqlite" else
+           os.environ.get("TOOLGUARD_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"))
+    options = {"schema": schema} if dialect == "postgresql" else {}
+    with open_store(url, **options) as old:
+        old.install(steps=migrations(dialect)[:1])
+
+    async def scenario() -> list[str]:
+        ran: list[str] = []
+
+        async def body(ctx: object) -> None:
+            ran.append("ran")
+
+        store = open_async_store(url, **options)
+        try:
+            guard = ToolGuard(Policy.from_dict(LEAD_POLICY),
+                              async_locks=connect_async(f"sqlite:///{tmp_path}/locks.db"),
+                              async_store=store)
+            with pytest.raises(ConfigurationError, match="toolguard db init"):
+                await guard.arun(Intent(tool=CALL[0], args=CALL[1], call_id=CALL[2],
+                                        agent="scorer"), body)
+        finally:
+            await store.close()
+        return ran
+
+    try:
+        assert asyncio.run(scenario()) == []
+    finally:
+        if dialect == "postgresql":
+            with open_store(url) as admin, admin.connection() as conn:
+                conn.execute(f"DROP SCHEMA {schema} CASCADE")
