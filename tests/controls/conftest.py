@@ -43,15 +43,7 @@ def backend(request: pytest.FixtureRequest, unique: str, tmp_path: Path) -> Iter
     """A guard's setup: SQLite locks + store, or Redis locks + a PostgreSQL schema of its own."""
     from guard.harness import Backend
 
-    if request.param == "postgresql":
-        chosen = Backend.postgresql(request.getfixturevalue("postgres_url"),
-                                    request.getfixturevalue("redis_url"), unique)
-    else:
-        chosen = Backend.sqlite(tmp_path)
-    try:
-        yield chosen
-    finally:
-        chosen.drop()
+    yield from Backend.for_test(request, unique, tmp_path)
 
 
 @pytest.fixture

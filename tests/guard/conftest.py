@@ -13,15 +13,7 @@ from guard.harness import KINDS, Backend, Harness
 @pytest.fixture(params=KINDS)
 def backend(request: pytest.FixtureRequest, unique: str, tmp_path: Any) -> Iterator[Backend]:
     """SQLite locks + SQLite store, or Redis locks + a PostgreSQL schema of the test's own."""
-    if request.param == "postgresql":
-        chosen = Backend.postgresql(request.getfixturevalue("postgres_url"),
-                                    request.getfixturevalue("redis_url"), unique)
-    else:
-        chosen = Backend.sqlite(tmp_path)
-    try:
-        yield chosen
-    finally:
-        chosen.drop()
+    yield from Backend.for_test(request, unique, tmp_path)
 
 
 @pytest.fixture

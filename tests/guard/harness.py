@@ -66,6 +66,19 @@ class Backend:
         return cls("postgresql", postgres_url, redis_url, {"schema": f"tg_guard_{unique}"},
                    {"prefix": f"tgguard:{unique}"})
 
+    @classmethod
+    def for_test(cls, request: Any, unique: str, tmp_path: Any) -> Iterator[Backend]:
+        """The backend ``request.param`` names, dropped after the test (a fixture's body)."""
+        if request.param == "postgresql":
+            chosen = cls.postgresql(request.getfixturevalue("postgres_url"),
+                                    request.getfixturevalue("redis_url"), unique)
+        else:
+            chosen = cls.sqlite(tmp_path)
+        try:
+            yield chosen
+        finally:
+            chosen.drop()
+
     def locks(self, **options: Any) -> LockManager:
         return connect(self.lock_url, **{**self.lock_options, **options})
 

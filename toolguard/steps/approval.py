@@ -170,19 +170,27 @@ async def _aask(book: AsyncApprovalBook, interrupt: Interrupt, asked: ApprovalRe
     raise _too_many(asked)
 
 
+def _why(book: ApprovalBook | AsyncApprovalBook | None, prepared: Prepared, facts: CallFacts,
+         enforcement: Enforcement) -> str | None:
+    """Why this call needs a person (None: it does not, or shadow mode only notes it)."""
+    rule = prepared.rule
+    if rule.approval is None or _shadowed(prepared, facts, enforcement):
+        return None
+    why = approval_reason(rule, facts.args)
+    if why is not None and book is None:
+        raise GuardMisconfigured(_NO_BOOK.format(tool=facts.tool))
+    return why
+
+
 def approve(book: ApprovalBook | None, prepared: Prepared, facts: CallFacts,
             enforcement: Enforcement, *, call_id: str | None = None,
             interrupt: Interrupt | None = None,
             on_request: Callable[[ApprovalRequired], None] | None = None) -> Approved | None:
     """The binding approval of this call, None when it needs none, or the refusal (sync)."""
     rule = prepared.rule
-    if rule.approval is None or _shadowed(prepared, facts, enforcement):
+    why = _why(book, prepared, facts, enforcement)
+    if why is None or book is None or rule.approval is None:
         return None
-    why = approval_reason(rule, facts.args)
-    if why is None:
-        return None
-    if book is None:
-        raise GuardMisconfigured(_NO_BOOK.format(tool=facts.tool))
     record = book.find(facts.tool, facts.idempotency_key)
     if record is None:
         record, made = book.made(facts, why, rule.approval.expires)
@@ -203,13 +211,9 @@ async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: Ca
                    ) -> Approved | None:
     """The asyncio twin of ``approve``."""
     rule = prepared.rule
-    if rule.approval is None or _shadowed(prepared, facts, enforcement):
+    why = _why(book, prepared, facts, enforcement)
+    if why is None or book is None or rule.approval is None:
         return None
-    why = approval_reason(rule, facts.args)
-    if why is None:
-        return None
-    if book is None:
-        raise GuardMisconfigured(_NO_BOOK.format(tool=facts.tool))
     expires = rule.approval.expires
 
     async def requested() -> ApprovalRecord:
