@@ -128,6 +128,12 @@ class FaultRun:
                    and (since is None or e.get("began", 0) >= since)
                    and account in (None, e.get("account")))
 
+    def applied_between(self, start: float, end: float) -> int:
+        """Writes accepted (or replayed) whose attempt began in ``[start, end)``, from one read
+        of the events (two ``applied`` calls would count the writes made between them)."""
+        return sum(1 for e in self.events() if e.get("event") in ("accepted", "replayed")
+                   and start <= e.get("began", 0) < end)
+
     def wait_applied(self, count: int, *, since: float | None = None, timeout_s: float = 15.0,
                      accounts: list[str] | None = None) -> bool:
         """Wait until ``count`` writes were applied (and one on each of ``accounts``)."""

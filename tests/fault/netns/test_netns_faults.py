@@ -133,9 +133,11 @@ def test_latency_and_loss_between_agents_and_redis(site: Site, tmp_path: Path) -
             host.heal()
         run.healed()
         assert run.healed_at is not None
-        rate_before = run.applied(since=before) - run.applied(since=impaired_at)
-        during = run.applied(since=impaired_at) - run.applied(since=run.healed_at)
+        wait_both_hosts(run)
         cells = run.finish(bound_s=HEAL_BOUND_S)
+        # counted once the agents are done: an attempt begun while impaired may end later
+        rate_before = run.applied_between(before, impaired_at)
+        during = run.applied_between(impaired_at, run.healed_at)
         cells["progress"].detail += (f"; {rate_before / 2.0:.0f} writes/s before, "
                                      f"{during / 5.0:.1f} writes/s while impaired")
         assert during > 0, "no write got through while the link was slow and lossy"
