@@ -180,16 +180,19 @@ def test_opposite_key_orders_never_deadlock(backend: LockEnv) -> None:
     a, b = backend.key("A"), backend.key("B")
     orders = [[a, b], [b, a]]
     done = Counter()
+    # etcd commits every grant through Raft and fsync (~100 cycles/s): fewer rounds keep it
+    # well inside the join bound on a loaded machine; a deadlock shows in the first few
+    rounds = 200 if backend.name == "etcd" else 1_000
 
     def agent(index: int, manager: LockManager) -> None:
-        for _ in range(1_000):
+        for _ in range(rounds):
             with manager.acquire(orders[index], ttl_ms=5_000, timeout_s=30) as lease:
                 assert set(lease.tokens) == {a, b}
             done[index] += 1
 
     managers = [backend.manager(), backend.manager()]
     run_threads(2, lambda i: agent(i, managers[i]))
-    assert done == {0: 1_000, 1: 1_000}
+    assert done == {0: rounds, 1: rounds}
 
 
 def test_timeout_names_the_key(backend: LockEnv) -> None:
