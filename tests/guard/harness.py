@@ -241,3 +241,16 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float = 10.0,
             msg = f"timed out waiting for {what}"
             raise AssertionError(msg)
         time.sleep(0.005)
+
+
+def invoke_graph(h: Harness, app: Any, mode: str, inputs: Any,
+                 config: dict[str, Any] | None = None) -> Any:
+    """``app.invoke`` (mode "sync") or ``app.ainvoke`` with the harness's asyncio edges open."""
+    if mode == "sync":
+        return app.invoke(inputs, config)
+
+    async def main() -> Any:
+        async with h.async_edges():
+            return await app.ainvoke(inputs, config)
+
+    return asyncio.run(main())

@@ -9,14 +9,13 @@ adapter, sync and async; a ``"*"`` in the policy does not change that.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage
 
-from guard.harness import Harness, HarnessFactory
+from guard.harness import Harness, HarnessFactory, invoke_graph
 from guard.tools import LeadTools, calls_message, scripted, tool_graph, tool_messages
 from toolguard.adapters import GuardedToolCalls, ToolGuardMiddleware, guard_tool, guarded
 
@@ -29,15 +28,6 @@ CALLS: list[tuple[str, dict[str, Any], str]] = [("add_score", {"lead_id": "a", "
          ("reassign_lead", {"lead_id": "a", "owner": "bo"}, "c-anyone")]
 
 
-def run(h: Harness, app: Any, mode: str, inputs: Any, config: dict[str, Any] | None = None) -> Any:
-    if mode == "sync":
-        return app.invoke(inputs, config)
-
-    async def main() -> Any:
-        async with h.async_edges():
-            return await app.ainvoke(inputs, config)
-
-    return asyncio.run(main())
 
 
 def assert_refused_without_identity(h: Harness, out: dict[str, Any], tools: LeadTools) -> None:
@@ -59,7 +49,7 @@ def test_tool_node_without_identity_is_refused_not_authorized_as_its_node(harnes
     app = tool_graph(scripted(calls_message(*CALLS), AIMessage(content="done")), tools.tools(),
                      wrap=calls.wrap_tool_call, awrap=calls.awrap_tool_call)
 
-    out = run(h, app, mode, {"messages": [HumanMessage("go")]})
+    out = invoke_graph(h, app, mode, {"messages": [HumanMessage("go")]})
 
     assert_refused_without_identity(h, out, tools)
 
@@ -71,7 +61,7 @@ def test_create_agent_middleware_without_identity_is_refused(harness: HarnessFac
     agent = create_agent(scripted(calls_message(*CALLS), AIMessage(content="done")),
                          tools.tools(), middleware=[ToolGuardMiddleware(h.guard)])
 
-    out = run(h, agent, mode, {"messages": [HumanMessage("go")]})
+    out = invoke_graph(h, agent, mode, {"messages": [HumanMessage("go")]})
 
     assert_refused_without_identity(h, out, tools)
 
@@ -83,7 +73,7 @@ def test_guarded_langchain_tools_without_identity_are_refused(harness: HarnessFa
     guarded_tools = [guard_tool(h.guard, tool) for tool in tools.tools()]
     app = tool_graph(scripted(calls_message(*CALLS), AIMessage(content="done")), guarded_tools)
 
-    out = run(h, app, mode, {"messages": [HumanMessage("go")]})
+    out = invoke_graph(h, app, mode, {"messages": [HumanMessage("go")]})
 
     assert_refused_without_identity(h, out, tools)
 

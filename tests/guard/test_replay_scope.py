@@ -12,7 +12,6 @@ while two agents or subgraphs that reuse ids (scripted models do) stay apart.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -21,22 +20,13 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 
-from guard.harness import Harness, HarnessFactory
+from guard.harness import Harness, HarnessFactory, invoke_graph
 from guard.tools import LEAD_POLICY, LeadTools, calls_message, scripted, tool_graph
 from toolguard.adapters import GuardedToolCalls
 
 MODES = ("sync", "async")
 
 
-def run(h: Harness, app: Any, mode: str, inputs: Any, config: dict[str, Any]) -> Any:
-    if mode == "sync":
-        return app.invoke(inputs, config)
-
-    async def main() -> Any:
-        async with h.async_edges():
-            return await app.ainvoke(inputs, config)
-
-    return asyncio.run(main())
 
 
 def thread() -> dict[str, Any]:
@@ -62,7 +52,7 @@ def test_a_call_id_re_sent_in_a_later_superstep_is_replayed(harness: HarnessFact
     tools = LeadTools()
     args = {"lead_id": "a", "delta": 5}
 
-    out = run(h, two_turns(h, tools, args, args), mode, {"messages": [HumanMessage("go")]},
+    out = invoke_graph(h, two_turns(h, tools, args, args), mode, {"messages": [HumanMessage("go")]},
               thread())
 
     assert [m.content for m in answers_for(out, "c1")] == ["a=5", "a=5"]  # the same answer
@@ -75,7 +65,7 @@ def test_the_same_call_id_with_other_arguments_is_refused(harness: HarnessFactor
     h: Harness = harness(LEAD_POLICY)
     tools = LeadTools()
 
-    out = run(h, two_turns(h, tools, {"lead_id": "a", "delta": 5}, {"lead_id": "a", "delta": 50}),
+    out = invoke_graph(h, two_turns(h, tools, {"lead_id": "a", "delta": 5}, {"lead_id": "a", "delta": 50}),
               mode, {"messages": [HumanMessage("go")]}, thread())
 
     first, second = answers_for(out, "c1")
@@ -106,7 +96,7 @@ def test_two_agents_reusing_call_ids_stay_apart(harness: HarnessFactory, mode: s
     graph.add_edge("scorer_two", END)
     app = graph.compile(checkpointer=InMemorySaver())
 
-    run(h, app, mode, {"messages": [HumanMessage("go")]}, thread())
+    invoke_graph(h, app, mode, {"messages": [HumanMessage("go")]}, thread())
 
     assert h.scores() == {"a": 11} and tools.probe.runs == {"a": 2}
     entries = h.audit(intent_id="c1")
@@ -123,7 +113,7 @@ def test_task_scope_lets_a_re_sent_id_run_again(harness: HarnessFactory, mode: s
     tools = LeadTools()
     args = {"lead_id": "a", "delta": 5}
 
-    run(h, two_turns(h, tools, args, args), mode, {"messages": [HumanMessage("go")]}, thread())
+    invoke_graph(h, two_turns(h, tools, args, args), mode, {"messages": [HumanMessage("go")]}, thread())
 
     assert tools.probe.runs == {"a": 2} and h.scores() == {"a": 10}
     assert h.decisions("c1") == [("accepted", "applied")] * 2
