@@ -455,7 +455,7 @@ def _comparison(unguarded: Report, guarded: Report) -> Table:
     table.add_row("writes the policy refuses, applied",
                   count(unguarded, "unchecked_write"), count(guarded, "unchecked_write"))
     stale = guarded.stale_rejections
-    table.add_row("stalled worker's late write (past its 500 ms lease)",
+    table.add_row("stalled worker's late write (past its 800 ms lease)",
                   Text("landed", style="red") if unguarded.stalls else Text("—"),
                   Text(f"refused (audit #{stale[0].id})", style="green") if stale
                   else Text("replayed: applied in an earlier run", style="cyan")

@@ -17,7 +17,7 @@ the faults production brings, on purpose and every run:
   time instead of by luck): lost updates, and a tier set before scoring;
 - ``L-102``: the scorer's worker dies after its write committed, before the
   step was checkpointed; the ``RetryPolicy`` re-runs the tool call;
-- ``L-103``: the enricher stalls after taking the lock, past its 500 ms lease;
+- ``L-103``: the enricher stalls after taking the lock, past its 800 ms lease;
   the scorer and the verifier take the lock and write; the enricher's late
   write must be refused (``stale_fencing_token``) and audited;
 - ``L-104``: the scorer asks a person to review a big jump (``interrupt()``);
