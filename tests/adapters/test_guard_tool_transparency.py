@@ -124,3 +124,75 @@ def test_in_a_toolnode_injected_values_reach_the_tool_and_stay_out_of_the_intent
     assert answers(out)["c1"].content == "hi, ana"
     assert g.decisions("c1") == [("accepted", "applied")]
     assert g.audit(intent_id="c1")[0].args == {"greeting": "hi"}
+
+
+#: What a host reads off a tool besides name, description and schema: create_agent ends the
+#: run after a ``return_direct`` tool, chat models' ``bind_tools`` send ``extras`` (provider
+#: options such as prompt caching), tracing reads ``tags`` and ``metadata``.
+TOOL_ATTRIBUTES = ("name", "description", "return_direct", "response_format", "extras", "tags",
+                   "metadata", "verbose")
+
+
+def test_the_guarded_tool_shows_the_hosts_every_attribute_of_the_tool(guarded) -> None:
+    g = guarded(read_only("look_up"))
+
+    @tool(return_direct=True, response_format="content_and_artifact",
+          extras={"cache_control": {"type": "ephemeral"}})
+    def look_up(query: str) -> tuple[str, dict[str, str]]:
+        """Look a record up."""
+        return f"found {query}", {"raw": query}
+
+    look_up.tags, look_up.metadata = ["crm"], {"team": "sales"}
+    wrapped = guard_tool(g.guard, look_up, agent="t")
+
+    assert {a: getattr(wrapped, a) for a in TOOL_ATTRIBUTES} == {
+        a: getattr(look_up, a) for a in TOOL_ATTRIBUTES}
+    assert wrapped.tool_call_schema.model_json_schema() == look_up.tool_call_schema.model_json_schema()
+    answer = wrapped.invoke(tool_call("look_up", {"query": "acme"}))
+    assert (answer.content, answer.artifact) == ("found acme", {"raw": "acme"})
+    assert "toolguard" in answer.response_metadata  # the decision, as before
+
+
+def test_metadata_false_leaves_answers_without_the_decision_and_keeps_the_tools_metadata(
+        guarded) -> None:
+    g = guarded(read_only("look_up"))
+
+    @tool
+    def look_up(query: str) -> str:
+        """Look a record up."""
+        return f"found {query}"
+
+    look_up.metadata = {"team": "sales"}
+    wrapped = guard_tool(g.guard, look_up, agent="t", metadata=False)
+
+    answer = wrapped.invoke(tool_call("look_up", {"query": "acme"}))
+    assert answer.content == "found acme" and "toolguard" not in answer.response_metadata
+    assert wrapped.metadata == {"team": "sales"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_create_agent_ends_the_run_after_a_guarded_return_direct_tool(guarded, mode: str) -> None:
+    from langchain.agents import create_agent
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    class Scripted(GenericFakeChatModel):
+        def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+            return self
+
+    @tool(return_direct=True)
+    def look_up(query: str) -> str:
+        """Look a record up; its answer goes straight to the user."""
+        return f"found {query}"
+
+    g = guarded(read_only("look_up"))
+    outcomes = []
+    for each in (look_up, guard_tool(g.guard, look_up, agent="t")):
+        model = Scripted(messages=iter([
+            AIMessage(content="", tool_calls=[tool_call("look_up", {"query": "acme"})]),
+            AIMessage(content="the model speaks again")]))
+        out = run(create_agent(model, [each]), mode, {"messages": [HumanMessage("find acme")]})
+        outcomes.append([(type(m).__name__, m.content) for m in out["messages"]])
+
+    assert outcomes[1] == outcomes[0] == [("HumanMessage", "find acme"), ("AIMessage", ""),
+                                          ("ToolMessage", "found acme")]

@@ -40,9 +40,9 @@ class GuardedTool(BaseTool):
     inner: BaseTool
     guard: Any
     agent: str | None = None
-    # Shadows BaseTool.metadata (callback metadata, unused here: invoke is overridden); the
-    # public name of the switch, kept as it is.
-    metadata: bool = True  # type: ignore[assignment]
+    #: Put the decision under ``response_metadata["toolguard"]`` of the answers (``guard_tool``'s
+    #: ``metadata=``); ``metadata`` itself is the wrapped tool's, as hosts and tracing read it.
+    decision_metadata: bool = True
     _injected: InjectedKeys = PrivateAttr(default_factory=InjectedKeys)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - invoke is overridden
@@ -103,7 +103,7 @@ class GuardedTool(BaseTool):
         raise ToolException(decision.model_text()) from decision.error
 
     def _annotated(self, output: Any, call: dict[str, Any], decision: Decision) -> Any:
-        if not self.metadata or not isinstance(output, ToolMessage):
+        if not self.decision_metadata or not isinstance(output, ToolMessage):
             return output
         return annotate(output, _call_id(call), decision)
 
@@ -129,7 +129,15 @@ def _call_id(call: dict[str, Any]) -> str | None:
 
 def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None,
                metadata: bool = True) -> GuardedTool:
-    """A guarded copy of ``tool`` (same name, description and argument schema)."""
+    """A guarded copy of ``tool``: what hosts read off a tool is the tool's own.
+
+    Every field ``BaseTool`` declares is copied: name, description, argument
+    schema, ``return_direct`` (``create_agent`` ends the run after it),
+    ``extras`` (provider options ``bind_tools`` sends), ``tags``, ``metadata``
+    and the rest, whatever this langchain-core version has. The copy's own
+    fields only say how to guard; ``metadata=False`` leaves the answers
+    without the decision.
+    """
     guard.register(tool.name, tool)
-    return GuardedTool(name=tool.name, description=tool.description, args_schema=tool.args_schema,
-                       inner=tool, guard=guard, agent=agent, metadata=metadata)
+    own = {name: getattr(tool, name) for name in BaseTool.model_fields}
+    return GuardedTool(**own, inner=tool, guard=guard, agent=agent, decision_metadata=metadata)
