@@ -21,6 +21,7 @@ from langchain_core.messages import ToolMessage
 from langgraph.prebuilt.tool_node import INVALID_TOOL_NAME_ERROR_TEMPLATE
 from langgraph.types import Command
 
+from toolguard.adapters._replay import record_of, replayed_answer
 from toolguard.guard import Decision, ToolFailed
 
 __all__ = [
@@ -80,11 +81,11 @@ def recordable(output: Any, call_id: str | None) -> Any:
     transaction back and records it, and the adapter hands the answer on as it was.
     """
     message = terminating_message(output, call_id)
-    if message is not None:
-        if message.status == "error":
-            raise ToolFailed(f"the tool reported an error: {_content_text(message.content)}")
-        return {"content": message.content}
-    if isinstance(output, Command | list):
+    if message is not None and message.status == "error":
+        raise ToolFailed(f"the tool reported an error: {_content_text(message.content)}")
+    if message is not None or isinstance(output, Command):
+        return record_of(output, message, call_id)
+    if isinstance(output, list):
         return {"command": True}
     try:
         json.dumps(output)
@@ -136,14 +137,10 @@ def _replace_in(value: Any, target: ToolMessage, replacement: ToolMessage) -> An
     return value
 
 
-def replayed_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage:
-    """The recorded result of an intent that already ran, as the model saw it the first time."""
+def replayed_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage | Command[Any]:
+    """The recorded answer of an intent that already ran, as the graph got it the first time."""
     recorded = decision.result if isinstance(decision.result, dict) else {"content": decision.result}
-    content = recorded.get("content", "")
-    if not isinstance(content, str | list):
-        content = json.dumps(content, default=str)
-    return ToolMessage(content=content, tool_call_id=_text(call.get("id")),
-                       name=_text(call.get("name")), status="success")
+    return replayed_answer(recorded, call)
 
 
 def refusal_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage:

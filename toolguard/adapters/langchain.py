@@ -94,8 +94,8 @@ class GuardedTool(BaseTool):
             return outcome.output
         is_call = isinstance(tool_input, dict) and tool_input.get("type") == "tool_call"
         if decision.ok:
-            message = replayed_message(decision, call)
-            return message if is_call else message.content
+            answer = replayed_message(decision, call)
+            return answer if is_call or not isinstance(answer, ToolMessage) else answer.content
         if decision.reason == "invalid_arguments" and tool_refuses(self.inner, intent.args):
             return _DELEGATE
         if is_call:

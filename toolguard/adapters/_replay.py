@@ -1,0 +1,140 @@
+"""A tool's whole answer kept as JSON in its idempotency record, and rebuilt for a replay.
+
+LangGraph re-runs a node's tool calls when it resumes an interrupt or retries
+the node; a call that already applied is then answered from its record. The
+graph must go on as if the tool had run again, so the record keeps the whole
+answer, not only its text:
+
+- a ``ToolMessage``: its content and its artifact;
+- a ``Command``: its state update (messages as LangChain's own message
+  dicts, other values as JSON), its ``goto`` (nodes and ``Send``) and its
+  ``graph``, and the id of the call it answered, so that the replay answers
+  the call in hand (a business idempotency key lets a new call id replay an
+  earlier call's record).
+
+The record is plain JSON, so the policy's redaction masks it like any result
+before it is stored. An answer that JSON cannot hold (an artifact or a state
+value of another type) is kept as its text alone, as a plain result is, and
+its replay answers with that text; the log says so once per tool.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from langchain_core.messages import BaseMessage, ToolMessage, message_to_dict, messages_from_dict
+from langgraph.types import Command, Send
+
+__all__ = ["record_of", "replayed_answer"]
+
+logger = logging.getLogger("toolguard.adapters")
+
+_warned: set[str] = set()
+
+
+class _NotJson(Exception):
+    """A part of the answer JSON cannot hold."""
+
+
+def record_of(output: Any, message: ToolMessage | None, call_id: str | None) -> dict[str, Any]:
+    """The record of a successful answer: ``{"content": ...}`` plus what a replay rebuilds."""
+    content = message.content if message is not None else None
+    try:
+        if isinstance(output, Command):
+            return {"content": content, "call_id": call_id, "command": _command(output)}
+        if isinstance(output, ToolMessage) and output.artifact is not None:
+            return {"content": content, "artifact": _json(output.artifact)}
+    except _NotJson as error:
+        name = message.name if message is not None and message.name else "?"
+        if name not in _warned:
+            _warned.add(name)
+            logger.warning("the answer of tool %r holds %s, which JSON cannot keep: a replay of "
+                           "its calls answers with the message text only", name, error)
+        return {"content": content} if message is not None else {"command": True}
+    return {"content": content}
+
+
+def replayed_answer(recorded: Mapping[str, Any], call: Mapping[str, Any]) -> ToolMessage | Command[Any]:
+    """The answer a replay gives the call ``call``: the recorded one, under ``call``'s id."""
+    call_id, name = _text(call.get("id")), _text(call.get("name"))
+    command = recorded.get("command")
+    if isinstance(command, Mapping):
+        return _rebuilt_command(command, recorded.get("call_id"), call_id)
+    content = recorded.get("content", "")
+    if not isinstance(content, str | list):
+        content = json.dumps(content, default=str)
+    return ToolMessage(content=content, tool_call_id=call_id, name=name, status="success",
+                       artifact=recorded.get("artifact"))
+
+
+# --- recording ------------------------------------------------------------------------------
+
+
+def _json(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise _NotJson(f"a {type(value).__name__} value") from error
+    return value
+
+
+def _command(command: Command[Any]) -> dict[str, Any]:
+    if command.resume is not None or not isinstance(command.update, Mapping | None):
+        raise _NotJson("a Command with resume or a non-mapping update")
+    update = {str(key): _value(value) for key, value in (command.update or {}).items()}
+    return {"update": update, "goto": _goto(command.goto), "graph": command.graph}
+
+
+def _value(value: Any) -> dict[str, Any]:
+    if isinstance(value, BaseMessage):
+        return {"message": _json(message_to_dict(value))}
+    if isinstance(value, list | tuple) and value and all(isinstance(v, BaseMessage) for v in value):
+        return {"messages": [_json(message_to_dict(v)) for v in value]}
+    return {"value": _json(value)}
+
+
+def _goto(goto: Any) -> Any:
+    if isinstance(goto, str):
+        return goto
+    if isinstance(goto, Send):
+        return {"send": goto.node, "arg": _json(goto.arg)}
+    if isinstance(goto, Sequence):
+        return [_goto(each) for each in goto]
+    raise _NotJson(f"a goto of type {type(goto).__name__}")
+
+
+# --- replaying ------------------------------------------------------------------------------
+
+
+def _rebuilt_command(recorded: Mapping[str, Any], answered: Any, call_id: str) -> Command[Any]:
+    update: dict[str, Any] = {}
+    for key, kept in (recorded.get("update") or {}).items():
+        if "message" in kept:
+            update[key] = _answering(messages_from_dict([kept["message"]])[0], answered, call_id)
+        elif "messages" in kept:
+            update[key] = [_answering(m, answered, call_id) for m in messages_from_dict(kept["messages"])]
+        else:
+            update[key] = kept.get("value")
+    return Command(update=update, goto=_rebuilt_goto(recorded.get("goto", ())),
+                   graph=recorded.get("graph"))
+
+
+def _answering(message: BaseMessage, answered: Any, call_id: str) -> BaseMessage:
+    if isinstance(message, ToolMessage) and answered is not None and message.tool_call_id == answered:
+        return message.model_copy(update={"tool_call_id": call_id})
+    return message
+
+
+def _rebuilt_goto(kept: Any) -> Any:
+    if isinstance(kept, Mapping):
+        return Send(str(kept.get("send")), kept.get("arg"))
+    if isinstance(kept, list):
+        return [_rebuilt_goto(each) for each in kept] if kept else ()
+    return kept
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)
