@@ -28,6 +28,8 @@ from typing import Any
 from langchain_core.messages import BaseMessage, ToolMessage, message_to_dict, messages_from_dict
 from langgraph.types import Command, Send
 
+from toolguard.policies.decisions import REDACTED
+
 __all__ = ["record_of", "replayed_answer"]
 
 logger = logging.getLogger("toolguard.adapters")
@@ -37,6 +39,10 @@ _warned: set[str] = set()
 
 class _NotJson(Exception):
     """A part of the answer JSON cannot hold."""
+
+
+class _Masked(Exception):
+    """A part of the record's structure was masked by redaction."""
 
 
 def record_of(output: Any, message: ToolMessage | None, call_id: str | None) -> dict[str, Any]:
@@ -58,12 +64,21 @@ def record_of(output: Any, message: ToolMessage | None, call_id: str | None) -> 
 
 
 def replayed_answer(recorded: Mapping[str, Any], call: Mapping[str, Any]) -> ToolMessage | Command[Any]:
-    """The answer a replay gives the call ``call``: the recorded one, under ``call``'s id."""
+    """The answer a replay gives the call ``call``: the recorded one, under ``call``'s id.
+
+    Redaction masks every text of the record equal to a redacted value, field
+    names too; a record whose structure was masked so cannot be rebuilt, and
+    its replay answers with the recorded text (the log says why).
+    """
     call_id, name = _text(call.get("id")), _text(call.get("name"))
     command = recorded.get("command")
     if isinstance(command, Mapping):
-        return _rebuilt_command(command, recorded.get("call_id"), call_id)
-    content = recorded.get("content", "")
+        try:
+            return _rebuilt_command(command, recorded.get("call_id"), call_id)
+        except (_Masked, ValueError, KeyError, TypeError) as error:
+            logger.warning("the recorded answer of tool %r cannot be rebuilt (%s): its replay "
+                           "answers with the recorded text only", name, error)
+    content = recorded.get("content", REDACTED)
     if not isinstance(content, str | list):
         content = json.dumps(content, default=str)
     return ToolMessage(content=content, tool_call_id=call_id, name=name, status="success",
@@ -111,15 +126,33 @@ def _goto(goto: Any) -> Any:
 
 def _rebuilt_command(recorded: Mapping[str, Any], answered: Any, call_id: str) -> Command[Any]:
     update: dict[str, Any] = {}
-    for key, kept in (recorded.get("update") or {}).items():
+    for key, kept in _structure(recorded.get("update") or {}).items():
         if "message" in kept:
-            update[key] = _answering(messages_from_dict([kept["message"]])[0], answered, call_id)
+            message = _message(kept["message"])
+            update[_structure(key)] = _answering(message, answered, call_id)
         elif "messages" in kept:
-            update[key] = [_answering(m, answered, call_id) for m in messages_from_dict(kept["messages"])]
+            update[_structure(key)] = [_answering(_message(m), answered, call_id)
+                                       for m in kept["messages"]]
+        elif "value" in kept:
+            update[_structure(key)] = kept["value"]
         else:
-            update[key] = kept.get("value")
+            raise _Masked(f"the kind of state value {key!r}")
     return Command(update=update, goto=_rebuilt_goto(recorded.get("goto", ())),
-                   graph=recorded.get("graph"))
+                   graph=_structure(recorded.get("graph")))
+
+
+def _structure(value: Any) -> Any:
+    """``value`` unless redaction masked it (a state key, a node name, a message type)."""
+    if value == REDACTED or (isinstance(value, Mapping) and REDACTED in value):
+        raise _Masked(f"{value!r}")
+    return value
+
+
+def _message(kept: Any) -> BaseMessage:
+    _structure(kept)
+    _structure(kept["type"])
+    _structure(kept["data"])
+    return messages_from_dict([kept])[0]
 
 
 def _answering(message: BaseMessage, answered: Any, call_id: str) -> BaseMessage:
@@ -129,8 +162,9 @@ def _answering(message: BaseMessage, answered: Any, call_id: str) -> BaseMessage
 
 
 def _rebuilt_goto(kept: Any) -> Any:
+    _structure(kept)
     if isinstance(kept, Mapping):
-        return Send(str(kept.get("send")), kept.get("arg"))
+        return Send(str(_structure(kept["send"])), kept.get("arg"))
     if isinstance(kept, list):
         return [_rebuilt_goto(each) for each in kept] if kept else ()
     return kept
