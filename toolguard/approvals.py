@@ -40,6 +40,7 @@ Resume value (``parse_resume``), shaped like LangChain's HITL decisions::
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,10 +57,11 @@ from toolguard.errors import (
     UnknownApproval,
 )
 from toolguard.facts import CallFacts
-from toolguard.intent import args_hash
+from toolguard.intent import args_hash, check_limits
 from toolguard.policies.decisions import _violation
 from toolguard.policies.model import ArgConstraint, ToolPolicy
 from toolguard.policies.paths import MISSING, FieldPath
+from toolguard.recording import storable_text
 from toolguard.store.base import AsyncGuardedStore, AuditEntry, GuardedStore, dump_json
 
 __all__ = [
@@ -76,6 +78,7 @@ __all__ = [
     "check_identity",
     "parse_resume",
     "request_refusal",
+    "well_formed_id",
 ]
 
 ApprovalStatus = Literal["pending", "approved", "denied"]
@@ -86,6 +89,9 @@ PAYLOAD_TYPE = "toolguard_approval"
 _STATUS = {"approve": "approved", "edit": "approved", "reject": "denied"}
 _AUDIT_REASON = {"approve": "approved", "edit": "edited", "reject": "denied"}
 _MAX_NAME, _MAX_NOTE = 200, 2000
+#: What an approval id may look like: ``ap_`` + hex is what ``made`` writes; anything else
+#: (NUL, a 5,000-character string, a number) names no request and never reaches the store.
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 COLUMNS = ("id", "tool", "agent", "workflow", "idempotency_key", "args_hash", "policy_version",
            "keys", "args", "why", "status", "requested_at", "expires_at", "decided_by",
@@ -177,6 +183,14 @@ class Resume:
     args: Mapping[str, Any] | None = None
     by: str | None = None
     note: str | None = None
+    tool: str | None = None  # the tool an edit names (``edited_action.name``), if any
+
+    def check_tool(self, record: ApprovalRecord) -> None:
+        """``InvalidResume`` for an edit naming another tool than the request's: never run as this one."""
+        if self.tool is not None and self.tool != record.tool:
+            msg = (f"the edit names tool {self.tool!r}, and approval {record.id} is for "
+                   f"{record.tool!r}: an edit changes arguments, never the tool")
+            raise InvalidResume(msg)
 
 
 # --- pure decisions ------------------------------------------------------------------------
@@ -266,9 +280,19 @@ def request_refusal(record: ApprovalRecord) -> ApprovalRequired:
     return ApprovalRequired(msg, approval_id=record.id, request=record.payload())
 
 
+def well_formed_id(value: Any) -> bool:
+    """True if ``value`` can be an approval id (text, 1 to 128 of ``A-Za-z0-9_.:-``)."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
 def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
-    """Read a resume value (see the module docstring); ``InvalidResume`` says what is wrong."""
-    if value in DECISIONS and value != "edit":
+    """Read a resume value (see the module docstring); ``InvalidResume`` says what is wrong.
+
+    Everything in it is untrusted: the id must look like one, an edit's arguments
+    must be JSON within the default input limits (the guard validates them again
+    against the tool), texts must be storable.
+    """
+    if isinstance(value, str) and value in DECISIONS and value != "edit":
         return Resume(decision=value, approval_id=approval_id)
     if not isinstance(value, Mapping):
         msg = (f"a resume value is 'approve', 'reject' or a mapping with type: approve|edit|reject, "
@@ -276,24 +300,33 @@ def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
         raise InvalidResume(msg)
     data = dict(value)
     decision = data.pop("type", None) or data.pop("decision", None)
-    if decision not in DECISIONS:
-        msg = f"type must be one of {', '.join(DECISIONS)}, got {decision!r}"
+    if not isinstance(decision, str) or decision not in DECISIONS:
+        msg = f"type must be one of {', '.join(DECISIONS)}, got {_shown(decision)}"
         raise InvalidResume(msg)
     given_id = data.pop("approval_id", None)
+    if given_id is not None and not well_formed_id(given_id):
+        msg = f"approval_id is not an approval id: {_shown(given_id)}"
+        raise InvalidResume(msg)
     if given_id is not None and approval_id is not None and given_id != approval_id:
         msg = f"the resume value answers approval {given_id!r}, not {approval_id!r}"
         raise InvalidResume(msg)
     args = data.pop("args", None)
     action = data.pop("edited_action", None)
+    tool: str | None = None
     if action is not None:
-        if not isinstance(action, Mapping) or args is not None:
-            msg = "edited_action is a mapping with args (give it or args, not both)"
+        if not isinstance(action, Mapping) or args is not None or not set(action) <= {"name", "args"}:
+            msg = "edited_action is a mapping with args (and name); give it or args, not both"
             raise InvalidResume(msg)
         args = action.get("args")
+        tool = _text(action.get("name"), "edited_action.name", _MAX_NAME)
     if decision == "edit":
         if not isinstance(args, Mapping) or not args or not all(isinstance(k, str) for k in args):
             msg = "an edit needs args: a non-empty mapping of the arguments it replaces"
             raise InvalidResume(msg)
+        try:
+            check_limits(args, root="the edit's args")
+        except IntentRejected as error:
+            raise InvalidResume(error.message) from None
     elif args is not None:
         msg = f"args only go with type: edit, not {decision}"
         raise InvalidResume(msg)
@@ -301,17 +334,23 @@ def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
     note = _text(data.pop("note", None) or data.pop("message", None), "note", _MAX_NOTE)
     data.pop("tool_call_id", None)
     if data:
-        msg = f"unknown field(s) in the resume value: {', '.join(sorted(map(str, data)))}"
+        msg = f"unknown field(s) in the resume value: {', '.join(sorted(map(_shown, data)))}"
         raise InvalidResume(msg)
     return Resume(decision=decision, approval_id=given_id or approval_id,
-                  args=dict(args) if args is not None else None, by=by, note=note)
+                  args=dict(args) if args is not None else None, by=by, note=note, tool=tool)
+
+
+def _shown(value: Any) -> str:
+    """A short, storable rendering of an untrusted value for an error message."""
+    text = repr(value)
+    return storable_text(text if len(text) <= 60 else f"{text[:57]}...") or ""
 
 
 def _text(value: Any, name: str, limit: int) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or len(value) > limit:
-        msg = f"{name} is text of at most {limit} characters"
+    if not isinstance(value, str) or len(value) > limit or storable_text(value, limit) != value:
+        msg = f"{name} is text of at most {limit} characters (no NUL, valid Unicode)"
         raise InvalidResume(msg)
     return value
 
@@ -355,6 +394,8 @@ def _insert_params(facts: CallFacts, why: str, expires_s: float, now: datetime,
 
 def _decide_params(approval_id: str, decision: DecisionName, by: str | None, note: str | None,
                    args: Mapping[str, Any] | None, now: datetime, dialect: str) -> tuple[Any, ...]:
+    if not well_formed_id(approval_id):
+        raise UnknownApproval(f"no approval request {_shown(approval_id)}")
     if decision not in DECISIONS:
         msg = f"a decision is one of {', '.join(DECISIONS)}, got {decision!r}"
         raise InvalidResume(msg)
@@ -428,6 +469,7 @@ class ApprovalBook:
                 raise ApprovalMismatch(msg)
             if record.status == "pending":
                 check_identity(record, facts)  # a resume meant for another call decides nothing
+                resume.check_tool(record)
                 record = self.decide(record.id, resume.decision, by=resume.by, note=resume.note,
                                      args=resume.args)
             return bind(record, facts, self.clock())
@@ -451,6 +493,9 @@ class ApprovalBook:
         return found, False
 
     def get(self, approval_id: str) -> ApprovalRecord | None:
+        """The request ``approval_id`` names; None for none (or for text no id looks like)."""
+        if not well_formed_id(approval_id):
+            return None
         found = rows(self.store, f"{SELECT} WHERE id = %s", (approval_id,))
         return _record(found[0]) if found else None
 
@@ -502,6 +547,7 @@ class AsyncApprovalBook:
                 raise ApprovalMismatch(msg)
             if record.status == "pending":
                 check_identity(record, facts)
+                resume.check_tool(record)
                 record = await self.decide(record.id, resume.decision, by=resume.by,
                                            note=resume.note, args=resume.args)
             return bind(record, facts, self.clock())
@@ -524,6 +570,8 @@ class AsyncApprovalBook:
         return found, False
 
     async def get(self, approval_id: str) -> ApprovalRecord | None:
+        if not well_formed_id(approval_id):
+            return None
         found = await arows(self.store, f"{SELECT} WHERE id = %s", (approval_id,))
         return _record(found[0]) if found else None
 

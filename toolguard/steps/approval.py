@@ -148,6 +148,7 @@ def _ask(book: ApprovalBook, interrupt: Interrupt, asked: ApprovalRequired, fact
             return _mine(resume, asked)
         if whose == "theirs" and other is not None:
             with contextlib.suppress(IntentRejected, UnknownApproval):  # its own call will say
+                resume.check_tool(other)
                 book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
                             args=resume.args)
     raise _too_many(asked)
@@ -165,6 +166,7 @@ async def _aask(book: AsyncApprovalBook, interrupt: Interrupt, asked: ApprovalRe
             return _mine(resume, asked)
         if whose == "theirs" and other is not None:
             with contextlib.suppress(IntentRejected, UnknownApproval):
+                resume.check_tool(other)
                 await book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
                                   args=resume.args)
     raise _too_many(asked)

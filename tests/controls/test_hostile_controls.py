@@ -1,0 +1,76 @@
+"""The production controls under attack: hostile resume values, ids, amounts and names.
+
+Each case is bad input a model, a confused host or an operator's typo can bring:
+it must be refused with a clear reason and audited once, never crash the graph,
+never approve or count anything it should not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from guard.tools import tool_messages
+from langgraph.types import Command
+from typer.testing import CliRunner
+
+from controls.calls import call, policy
+from controls.test_guard_approvals import POLICY, start
+from toolguard.approvals import ApprovalBook
+from toolguard.cli import app
+from toolguard.errors import ApprovalRequired, UnknownApproval
+from toolguard.store import open_store
+
+
+@pytest.mark.parametrize(("answer", "content"), [
+    ({"type": "approve", "approval_id": 5}, "invalid_resume"),
+    ({"type": "approve", "approval_id": {"id": "ap_x"}}, "invalid_resume"),
+    ({"type": "approve", "approval_id": "ap_\x00"}, "invalid_resume"),
+    ({"type": "approve", "approval_id": "ap_" + "f" * 5000}, "invalid_resume"),
+    ({"type": "edit", "args": {"amount": float("nan")}}, "invalid"),
+    ({"type": "edit", "edited_action": {"name": "wipe_everything", "args": {"amount": 1}}},
+     "invalid_resume"),
+    (7, "invalid_resume"),
+    ({"type": "approve", "by": "al\x00ice"}, "invalid_resume"),
+    ({"type": "reject", "message": "no \ud800"}, "invalid_resume"),
+    ({"decision": 1}, "invalid_resume"),
+    ({"type": "approve", "extra": {"nested": [1, 2]}}, "invalid_resume"),
+])
+def test_a_hostile_resume_is_refused_and_audited_once(harness: Any, answer: Any,
+                                                      content: str) -> None:
+    h = harness(POLICY)
+    graph, config, _ = start(h, "g-hostile")
+    out = graph.invoke(Command(resume=answer), config)
+    message = tool_messages(out["messages"])["call-1"]
+    assert content in str(message.content), message.content
+    assert h.effects() == []
+    rows = h.decisions("call-1")
+    assert rows[0] == ("rejected", "approval_required") and len(rows) == 2, rows
+    assert rows[1][0] == "rejected", rows
+
+
+@pytest.mark.parametrize("odd", ["", " ", "ap_\x00", "ap_" + "f" * 5000, "ap_' OR '1'='1",
+                                 "ap_\ud800", "../ap_1"])
+def test_odd_approval_ids_name_no_request(store: Any, odd: str) -> None:
+    """The CLI and the plain-caller API: an id no request can have is unknown, and reaches no SQL."""
+    book = ApprovalBook(store)
+    facts = call(policy(), "wipe", {})
+    with pytest.raises(ApprovalRequired) as asked:
+        book.check(policy().tools["wipe"], facts)
+    assert book.get(odd) is None
+    with pytest.raises(UnknownApproval) as unknown:
+        book.decide(odd, "approve", by="alice")
+    assert unknown.value.reason == "unknown_approval"
+    assert [r.id for r in book.pending()] == [asked.value.approval_id]  # nothing was decided
+    assert store.query_audit(decision="operator") == []
+
+
+def test_the_cli_refuses_odd_ids_as_usage_errors(tmp_path: Any) -> None:
+    url = f"sqlite:///{tmp_path}/store.db"
+    open_store(url, install=True).close()
+    runner = CliRunner()
+    for odd in ("ap_\x00", "ap_" + "f" * 5000, ""):
+        for command in ("approve", "deny"):
+            result = runner.invoke(app, [command, odd, "--url", url])
+            assert result.exit_code == 2, (command, odd, result.output)
+            assert "no approval request" in result.output
