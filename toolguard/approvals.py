@@ -40,6 +40,7 @@ Resume value (``parse_resume``), shaped like LangChain's HITL decisions::
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable, Mapping
@@ -212,12 +213,36 @@ def approval_reason(rule: ToolPolicy, args: Mapping[str, Any]) -> str | None:
 
 
 def _matches(path: FieldPath, constraint: ArgConstraint, args: Mapping[str, Any]) -> str | None:
-    """``"amount > 1000"`` when some value at ``path`` satisfies ``constraint``, else None."""
+    """``"amount > 1000"`` when some value at ``path`` satisfies ``constraint``, else None.
+
+    A value the condition cannot judge (``"5000"`` or ``true`` for ``gt: 1000``: a
+    tool without a registered schema takes what the model sends) matches: a call
+    is never spared its approval because its value has an unexpected type.
+    """
     for where, value in path.resolve(args):
         if value is MISSING or value is None:
             continue
+        shown = where.removeprefix("args.")
+        odd = _unjudgeable(constraint, value)
+        if odd is not None:
+            return f"{shown} is {odd}, not comparable with {_described(constraint)}"
         if _violation(constraint, value) is None:
-            return f"{where.removeprefix('args.')} {_described(constraint)}"
+            return f"{shown} {_described(constraint)}"
+    return None
+
+
+def _unjudgeable(constraint: ArgConstraint, value: Any) -> str | None:
+    """What ``value`` is, when it is not of a kind ``constraint`` compares (else None)."""
+    kinds = constraint.kinds
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if "number" in kinds and not is_number:
+        return f"not a number ({type(value).__name__})"
+    if "number" in kinds and isinstance(value, float) and not math.isfinite(value):
+        return "not a finite number"
+    if "string" in kinds and not isinstance(value, str):
+        return f"not text ({type(value).__name__})"
+    if "collection" in kinds and not isinstance(value, list | tuple | Mapping):
+        return f"not a list ({type(value).__name__})"
     return None
 
 

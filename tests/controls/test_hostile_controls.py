@@ -15,8 +15,9 @@ from langgraph.types import Command
 from typer.testing import CliRunner
 
 from controls.calls import call, policy
+from controls.guarded import intent, write
 from controls.test_guard_approvals import POLICY, start
-from toolguard.approvals import ApprovalBook
+from toolguard.approvals import ApprovalBook, approval_reason
 from toolguard.cli import app
 from toolguard.errors import ApprovalRequired, UnknownApproval
 from toolguard.store import open_store
@@ -74,3 +75,24 @@ def test_the_cli_refuses_odd_ids_as_usage_errors(tmp_path: Any) -> None:
             result = runner.invoke(app, [command, odd, "--url", url])
             assert result.exit_code == 2, (command, odd, result.output)
             assert "no approval request" in result.output
+
+
+def test_a_value_the_condition_cannot_judge_still_needs_approval() -> None:
+    """Without a registered schema the model's value may have any type: fail closed."""
+    rule = policy().tools["transfer"]
+    for odd in ("5000", True, [5000], {"value": 5000}, float("nan")):
+        why = approval_reason(rule, {"from_id": "a1", "to_id": "b2", "amount": odd})
+        assert why is not None and "amount is not" in why, (odd, why)
+    assert approval_reason(rule, {"from_id": "a1", "to_id": "b2", "amount": 5}) is None
+    assert approval_reason(rule, {"from_id": "a1", "to_id": "b2", "amount": None}) is None
+
+
+def test_a_schemaless_call_cannot_dodge_its_approval_with_a_string(harness: Any) -> None:
+    rules = {"version": 1, "tools": {"transfer": {
+        "locks": ["lead:{lead_id}"], "approval": {"when": {"amount": {"gt": 1000}}}}}}
+    h = harness(rules)
+    sneaky = intent("transfer", {"lead_id": "l1", "amount": "5000"}, call_id="s1")
+    refused = h.guard.run(sneaky, write)
+    assert refused.reason == "approval_required", refused.message
+    assert "amount is not a number" in refused.message
+    assert h.effects() == [] and h.decisions("s1") == [("rejected", "approval_required")]
