@@ -250,11 +250,11 @@ class ToolGuard:
                     on_request=lambda asked: self._asked(state, asked, call))
                 state.prepared = prepared = self._edited(state, approved, call)
                 admission = admit(self.controls.quotas, prepared, facts_of(intent, prepared),
-                                  state.enforcement)
+                                  state.enforcement, store=store)
                 self._audit_entry(state.shadow_entry(), call)
                 with held(admission) as done:
                     decision = self._execute(state, prepared, execute, call, locks, store)
-                    done.applied = decision.ok
+                    done.decided(decision)
                 return decision
             except BaseException as error:
                 if is_pending(error):  # paused for a person: audited when asked, nothing ran
@@ -360,11 +360,12 @@ class ToolGuard:
                     interrupt=interrupt, on_request=asked)
                 state.prepared = prepared = self._edited(state, approved, call)
                 admission = await aadmit(self.controls.async_quotas, prepared,
-                                         facts_of(intent, prepared), state.enforcement)
+                                         facts_of(intent, prepared), state.enforcement,
+                                         store=store)
                 await self._aaudit_entry(state.shadow_entry(), call)
                 async with aheld(admission) as done:
                     decision = await self._aexecute(state, prepared, execute, call, locks, store)
-                    done.applied = decision.ok
+                    done.decided(decision)
                 return decision
             except BaseException as error:
                 if is_pending(error):

@@ -7,6 +7,7 @@ never approve or count anything it should not.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from langgraph.types import Command
 from typer.testing import CliRunner
 
 from controls.calls import call, policy
-from controls.guarded import intent, write
+from controls.guarded import EFFECT, intent, write
 from controls.test_guard_approvals import POLICY, start
 from toolguard.approvals import ApprovalBook, approval_reason
 from toolguard.cli import app
@@ -96,3 +97,42 @@ def test_a_schemaless_call_cannot_dodge_its_approval_with_a_string(harness: Any)
     assert refused.reason == "approval_required", refused.message
     assert "amount is not a number" in refused.message
     assert h.effects() == [] and h.decisions("s1") == [("rejected", "approval_required")]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_replay_never_draws_on_a_quota_again(harness: Any, asynchronous: bool) -> None:
+    """A call re-sent after its window ended (a resumed thread, a retried request) is a replay:
+    it neither draws the budget again nor is refused by one another call used up."""
+    window = 2.0
+    h = harness({"version": 1, "tools": {"transfer": {"locks": ["lead:{lead_id}"], "quotas": [
+        {"budget": 100, "arg": "amount", "window": f"{window:g}s"},
+        {"calls": 2, "window": f"{window:g}s"}]}}})
+    first = intent("transfer", {"lead_id": "l1", "amount": 60}, call_id="a1")
+    second = intent("transfer", {"lead_id": "l2", "amount": 60}, call_id="b1")
+
+    async def awrite(ctx: Any) -> dict[str, Any]:
+        await ctx.atx.execute(EFFECT, ("transfer", ctx.args["lead_id"], ctx.args["amount"],
+                                       ctx.intent.call_id, None))
+        return {"ok": ctx.args["lead_id"]}
+
+    async def scenario() -> list[Any]:
+        async with h.async_edges() as guard:
+            return await steps(lambda call: guard.arun(call, awrite))
+
+    async def steps(run: Any) -> list[Any]:
+        out = [await run(first)]
+        await asyncio.sleep(window + 0.1)  # the first call's entries left the window
+        out += [await run(first), await run(second), await run(first)]
+        return out
+
+    async def sync_run(call: Any) -> Any:
+        return h.guard.run(call, write)
+
+    applied, replay, other, again = asyncio.run(scenario() if asynchronous else steps(sync_run))
+    assert applied.ok and replay.kind == "replayed"
+    assert other.ok, other.message  # the replay took no budget and no call
+    # the budget is used up by b1, and a1 is still a replay of its recorded result
+    assert (again.kind, again.reason) == ("replayed", "duplicate"), again.message
+    assert len(h.effects()) == 2
+    assert h.decisions("a1") == [("accepted", "applied"), ("replayed", "duplicate"),
+                                 ("replayed", "duplicate")]

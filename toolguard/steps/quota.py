@@ -12,6 +12,11 @@ unknown (cancelled, interrupted) keeps its budget drawn: it may have applied.
 In ``mode: shadow`` a refusal is recorded as the would-be refusal and nothing
 is counted; after an earlier would-be refusal the step is skipped, as
 enforcement would not have reached it.
+
+A replay (the intent's key already applied, with the same arguments) never
+draws on a quota: an entry it added (its first one left the window) is given
+back when it ends, and a refusal is looked up in the store (``store=``; a
+round trip only when refused): a replay goes on to return its recorded result.
 """
 
 from __future__ import annotations
@@ -24,12 +29,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from toolguard.errors import GuardMisconfigured, is_control_flow
+from toolguard._rows import arows, rows
+from toolguard.errors import GuardMisconfigured, QuotaExceeded, is_control_flow
 from toolguard.facts import CallFacts
 from toolguard.quotas import Admission, AsyncAdmission, AsyncQuotas, Quotas
 from toolguard.shadow import Enforcement
 from toolguard.steps.prepared import Prepared
+from toolguard.store.base import AsyncGuardedStore, GuardedStore
+
+if TYPE_CHECKING:
+    from toolguard.decision import Decision
 
 __all__ = ["Held", "aadmit", "admit", "aheld", "held"]
 
@@ -39,13 +50,21 @@ _NO_BACKEND = ("tool {tool!r} has quotas, and this guard has no quota backend: g
                "ToolGuard a store (its server keeps the counters) or quotas=")
 #: Renew an in-flight slot when a third of its lease is left.
 _RENEW_FRACTION = 1 / 3
+#: Is this intent applied already, with these arguments (then the call is a replay)?
+_APPLIED = ("SELECT 1 FROM toolguard_intent WHERE idempotency_key = %s AND args_hash = %s "
+            "AND status = 'applied'")
 
 
 @dataclass(slots=True)
 class Held:
-    """What the call did, for ``finish``: ``applied`` is set once the call's decision is known."""
+    """What the call did, for ``finish``: set by ``decided`` once the call's decision is known."""
 
     applied: bool = False
+    replayed: bool = False
+
+    def decided(self, decision: Decision) -> None:
+        self.applied = decision.ok
+        self.replayed = decision.kind == "replayed"
 
 
 def _skip(prepared: Prepared, enforcement: Enforcement) -> bool:
@@ -53,7 +72,7 @@ def _skip(prepared: Prepared, enforcement: Enforcement) -> bool:
 
 
 def admit(quotas: Quotas | None, prepared: Prepared, facts: CallFacts,
-          enforcement: Enforcement) -> Admission:
+          enforcement: Enforcement, *, store: GuardedStore | None = None) -> Admission:
     """Count the call (sync), or raise the quota's refusal; shadowed: record it, count nothing."""
     if _skip(prepared, enforcement):
         return Admission()
@@ -61,12 +80,18 @@ def admit(quotas: Quotas | None, prepared: Prepared, facts: CallFacts,
         raise GuardMisconfigured(_NO_BACKEND.format(tool=facts.tool))
     admission = Admission()  # shadow and refused: nothing was counted
     with enforcement.step("quotas"):
-        admission = quotas.admit(prepared.rule, facts)
+        try:
+            admission = quotas.admit(prepared.rule, facts)
+        except QuotaExceeded:
+            if store is None or not rows(store, _APPLIED, (facts.idempotency_key,
+                                                           facts.args_hash)):
+                raise  # not a replay: refused
     return admission
 
 
 async def aadmit(quotas: AsyncQuotas | None, prepared: Prepared, facts: CallFacts,
-                 enforcement: Enforcement) -> AsyncAdmission:
+                 enforcement: Enforcement, *,
+                 store: AsyncGuardedStore | None = None) -> AsyncAdmission:
     """The asyncio twin of ``admit``."""
     if _skip(prepared, enforcement):
         return AsyncAdmission()
@@ -74,7 +99,12 @@ async def aadmit(quotas: AsyncQuotas | None, prepared: Prepared, facts: CallFact
         raise GuardMisconfigured(_NO_BACKEND.format(tool=facts.tool))
     admission = AsyncAdmission()
     with enforcement.step("quotas"):
-        admission = await quotas.admit(prepared.rule, facts)
+        try:
+            admission = await quotas.admit(prepared.rule, facts)
+        except QuotaExceeded:
+            if store is None or not await arows(store, _APPLIED, (facts.idempotency_key,
+                                                                  facts.args_hash)):
+                raise
     return admission
 
 
@@ -135,9 +165,9 @@ def _renew(admission: Admission) -> None:
 _RENEWALS = _Renewals()
 
 
-def _finish(admission: Admission, applied: bool) -> None:
+def _finish(admission: Admission, state: Held) -> None:
     try:
-        admission.finish(applied=applied)
+        admission.finish(applied=state.applied, replayed=state.replayed)
     except Exception as error:  # never hide the call's outcome; the slot expires with its lease
         log.warning("could not finish a quota admission: %s", error)
 
@@ -146,7 +176,7 @@ def _finish(admission: Admission, applied: bool) -> None:
 def held(admission: Admission) -> Iterator[Held]:
     """Run the call with its admission: renewed while it runs, finished however it ends.
 
-    Set ``applied`` on the yielded ``Held`` once the call applied; an exception
+    Call ``decided`` on the yielded ``Held`` with the call's decision; an exception
     that is control flow (cancellation, an interrupt) counts as applied: the
     outcome is unknown, so the budget stays drawn.
     """
@@ -161,7 +191,7 @@ def held(admission: Admission) -> Iterator[Held]:
     finally:
         if number is not None:
             _RENEWALS.remove(number)
-        _finish(admission, state.applied)
+        _finish(admission, state)
 
 
 async def _arenew(admission: AsyncAdmission, period_s: float) -> None:
@@ -189,6 +219,7 @@ async def aheld(admission: AsyncAdmission) -> AsyncIterator[Held]:
         if renewal is not None:
             renewal.cancel()
         try:
-            await asyncio.shield(admission.finish(applied=state.applied))
+            await asyncio.shield(admission.finish(applied=state.applied,
+                                                  replayed=state.replayed))
         except Exception as error:
             log.warning("could not finish a quota admission: %s", error)
