@@ -20,8 +20,10 @@ from controls.guarded import EFFECT, intent, write
 from controls.test_guard_approvals import POLICY, start
 from toolguard.approvals import ApprovalBook, approval_reason
 from toolguard.cli import app
-from toolguard.errors import ApprovalRequired, UnknownApproval
+from toolguard.errors import ApprovalRequired, ConfigurationError, UnknownApproval
+from toolguard.pause import PauseBoard
 from toolguard.store import open_store
+from toolguard.store.base import AuditEntry
 
 
 @pytest.mark.parametrize(("answer", "content"), [
@@ -136,3 +138,35 @@ def test_a_replay_never_draws_on_a_quota_again(harness: Any, asynchronous: bool)
     assert len(h.effects()) == 2
     assert h.decisions("a1") == [("accepted", "applied"), ("replayed", "duplicate"),
                                  ("replayed", "duplicate")]
+
+
+@pytest.mark.parametrize("odd", ["trans\x00fer", "transfer ", " transfer", "\ud800", "",
+                                 "x" * 257])
+def test_a_pause_name_no_call_can_have_is_a_configuration_error(store: Any, odd: str) -> None:
+    board = PauseBoard(store, cache_s=0)
+    with pytest.raises(ConfigurationError):
+        board.pause("tool", odd, by="alice")
+    assert board.records() == () and store.query_audit(decision="operator") == []
+
+
+def test_pausing_a_name_no_call_ever_had_warns(tmp_path: Any) -> None:
+    """A typo in an emergency stops nothing: the operator is told (and the pause still holds)."""
+    url = f"sqlite:///{tmp_path}/store.db"
+    store = open_store(url, install=True)
+    try:
+        store.audit(AuditEntry(decision="accepted", reason="applied", tool="transfer",
+                               agent="payments"))
+        runner = CliRunner()
+        typo = runner.invoke(app, ["pause", "trasnfer", "--url", url])
+        assert typo.exit_code == 0, typo.output
+        assert "no call of a tool or agent named 'trasnfer'" in typo.output
+        assert {r.name for r in PauseBoard(store, cache_s=0).records()} == {"trasnfer"}
+        for known in (["transfer", "--tool"], ["payments", "--agent"], ["payments"]):
+            done = runner.invoke(app, ["pause", *known, "--url", url])
+            assert done.exit_code == 0 and "warning" not in done.output, done.output
+        assert "warning" not in runner.invoke(app, ["pause", "--all", "--url", url]).output
+        # an operator's own pause rows do not make a name known
+        again = runner.invoke(app, ["pause", "trasnfer", "--url", url])
+        assert "no call of a tool or agent named 'trasnfer'" in again.output
+    finally:
+        store.close()

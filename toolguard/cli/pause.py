@@ -105,6 +105,12 @@ def pause(
         for kind, target in targets:
             record = board.pause(kind, target, by=operator_name(by), reason=reason)
             out.print(record.describe(), soft_wrap=True)
+        if not any(board.known(kind, target) for kind, target in targets):
+            what = " or ".join(kind for kind, _ in targets)
+            console(stderr=True).print(
+                f"warning: the audit log has no call of a {what} named {name!r}: check the "
+                f"name (a typo stops nothing); the pause is in force", style="yellow",
+                soft_wrap=True, markup=False)
     out.print("Running guards refuse new calls within their pause cache (1 s by default).",
               style="dim")
 
