@@ -170,3 +170,25 @@ def test_pausing_a_name_no_call_ever_had_warns(tmp_path: Any) -> None:
         assert "no call of a tool or agent named 'trasnfer'" in again.output
     finally:
         store.close()
+
+
+def test_hostile_amounts_in_shadow_mode_are_noted_once_and_never_counted(harness: Any) -> None:
+    """Shadow mode notes what enforcement would refuse; it never refills or overdraws a budget."""
+    h = harness({"version": 1, "defaults": {"mode": "shadow"}, "tools": {"transfer": {
+        "locks": ["lead:{lead_id}"],
+        "quotas": [{"budget": 100, "arg": "amount", "window": "1h"}],
+        "approval": {"when": {"amount": {"gt": 1000}}}}}})
+    backend = h.guard.controls.quotas.backend
+    scope = "transfer/budget/3600s/tool|tool=transfer"
+    cases = {"h-neg": (-50, "invalid_arguments"), "h-huge": (10**400, "approval_required"),
+             "h-text": ("5000", "approval_required"), "h-over": (500, "budget_exceeded")}
+    for call_id, (amount, reason) in cases.items():
+        decision = h.guard.run(intent("transfer", {"lead_id": "l1", "amount": amount},
+                                      call_id=call_id), lambda ctx: "done")
+        assert decision.ok, (call_id, decision.message)
+        assert h.decisions(call_id) == [("shadow", reason), ("accepted", "applied")], call_id
+        assert backend.usage(scope) == 0, call_id  # nothing drawn, nothing refilled
+    assert h.guard.run(intent("transfer", {"lead_id": "l1", "amount": 100}, call_id="h-ok"),
+                       lambda ctx: "done").ok
+    assert backend.usage(scope) == 100 and h.decisions("h-ok") == [("accepted", "applied")]
+    assert ApprovalBook(h.store).pending() == []
