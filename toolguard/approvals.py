@@ -62,7 +62,7 @@ from toolguard.intent import args_hash, check_limits
 from toolguard.policies.decisions import _violation
 from toolguard.policies.model import ArgConstraint, ToolPolicy
 from toolguard.policies.paths import MISSING, FieldPath
-from toolguard.recording import storable_text
+from toolguard.recording import storable, storable_text
 from toolguard.store.base import AsyncGuardedStore, AuditEntry, GuardedStore, dump_json
 
 __all__ = [
@@ -76,6 +76,7 @@ __all__ = [
     "Resume",
     "approval_reason",
     "bind",
+    "check_edit",
     "check_identity",
     "parse_resume",
     "request_refusal",
@@ -345,13 +346,7 @@ def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
         args = action.get("args")
         tool = _text(action.get("name"), "edited_action.name", _MAX_NAME)
     if decision == "edit":
-        if not isinstance(args, Mapping) or not args or not all(isinstance(k, str) for k in args):
-            msg = "an edit needs args: a non-empty mapping of the arguments it replaces"
-            raise InvalidResume(msg)
-        try:
-            check_limits(args, root="the edit's args")
-        except IntentRejected as error:
-            raise InvalidResume(error.message) from None
+        check_edit(args)
     elif args is not None:
         msg = f"args only go with type: edit, not {decision}"
         raise InvalidResume(msg)
@@ -363,6 +358,25 @@ def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
         raise InvalidResume(msg)
     return Resume(decision=decision, approval_id=given_id or approval_id,
                   args=dict(args) if args is not None else None, by=by, note=note, tool=tool)
+
+
+def check_edit(args: Any) -> None:
+    """``InvalidResume`` unless ``args`` can be an edit: a non-empty mapping of JSON values
+    within the default input limits, storable in every store (no NUL, valid Unicode).
+
+    The person's edit is checked before it is stored as a decision; the guard then
+    validates the edited call against the tool and the policy, as any call.
+    """
+    if not isinstance(args, Mapping) or not args or not all(isinstance(k, str) for k in args):
+        msg = "an edit needs args: a non-empty mapping of the arguments it replaces"
+        raise InvalidResume(msg)
+    try:
+        check_limits(args, root="the edit's args")
+    except IntentRejected as error:
+        raise InvalidResume(error.message) from None
+    if storable(dict(args)) != args:
+        msg = "the edit's args hold NUL or a lone surrogate, which no store keeps"
+        raise InvalidResume(msg)
 
 
 def _shown(value: Any) -> str:
@@ -427,6 +441,8 @@ def _decide_params(approval_id: str, decision: DecisionName, by: str | None, not
     if (decision == "edit") != (args is not None):
         msg = "an edit needs args, and only an edit takes them"
         raise InvalidResume(msg)
+    if args is not None:
+        check_edit(args)
     edited = dump_json(dict(args), "edited args") if args is not None else None
     edited_hash = args_hash(dict(args)) if args is not None else None
     return (_STATUS[decision], by, _stored(now, dialect), note, edited, edited_hash, approval_id,

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from controls.calls import call, policy
 from controls.guarded import EFFECT, intent, write
 from controls.test_guard_approvals import POLICY, start
-from toolguard.approvals import ApprovalBook, approval_reason
+from toolguard.approvals import ApprovalBook, InvalidResume, approval_reason
 from toolguard.cli import app
 from toolguard.errors import ApprovalRequired, ConfigurationError, UnknownApproval
 from toolguard.pause import PauseBoard
@@ -192,3 +192,26 @@ def test_hostile_amounts_in_shadow_mode_are_noted_once_and_never_counted(harness
                        lambda ctx: "done").ok
     assert backend.usage(scope) == 100 and h.decisions("h-ok") == [("accepted", "applied")]
     assert ApprovalBook(h.store).pending() == []
+
+
+def test_an_edit_no_store_keeps_is_refused_before_it_is_decided(tmp_path: Any) -> None:
+    """``toolguard approve ID --args`` and ``decide(..., args=)``: NaN, 10,000 characters, NUL."""
+    url = f"sqlite:///{tmp_path}/store.db"
+    store = open_store(url, install=True)
+    try:
+        book = ApprovalBook(store)
+        with pytest.raises(ApprovalRequired) as asked:
+            book.check(policy().tools["wipe"], call(policy(), "wipe", {}))
+        approval_id = asked.value.approval_id
+        runner = CliRunner()
+        for text in ('{"amount": NaN}', '{"memo": "' + "x" * 10_000 + '"}', '{"a\\u0000b": 1}',
+                     '{"memo": "\\ud800"}'):
+            result = runner.invoke(app, ["approve", approval_id, "--args", text, "--url", url])
+            assert result.exit_code == 2, (text[:40], result.output)
+        for args in ({"amount": float("nan")}, {"memo": "a\x00b"}, {"deep": [[[[[[[[[1]]]]]]]]]}):
+            with pytest.raises(InvalidResume):
+                book.decide(approval_id, "edit", by="alice", args=args)
+        assert [r.id for r in book.pending()] == [approval_id]  # still undecided
+        assert store.query_audit(decision="operator") == []
+    finally:
+        store.close()
