@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from controls.calls import call, policy
 from controls.guarded import EFFECT, intent, write
+from controls.test_guard_approvals import BIG as BIG_CALL
 from controls.test_guard_approvals import POLICY, start
 from toolguard.approvals import ApprovalBook, InvalidResume, approval_reason
 from toolguard.cli import app
@@ -215,3 +216,25 @@ def test_an_edit_no_store_keeps_is_refused_before_it_is_decided(tmp_path: Any) -
         assert store.query_audit(decision="operator") == []
     finally:
         store.close()
+
+
+def test_an_answer_cannot_decide_a_request_of_no_workflow(harness: Any) -> None:
+    """Two calls without a thread or run (workflow None) are not one workflow: an answer given
+    to one that names the other's request decides nothing, and is refused."""
+    from toolguard.intent import Intent
+
+    h = harness(POLICY)
+    other = Intent(tool="transfer", args=BIG_CALL, agent="scorer", call_id="w-other")
+    waiting = h.guard.run(other, write)
+    assert waiting.reason == "approval_required"
+
+    def answer(payload: Any) -> Any:
+        return {"type": "approve", "approval_id": waiting.approval_id, "by": "mallory"}
+
+    mine = Intent(tool="transfer", args={**BIG_CALL, "lead_id": "l9"}, agent="scorer",
+                  call_id="w-mine")
+    decision = h.guard.run(mine, write, interrupt=answer)
+    assert decision.reason == "invalid_resume", decision.message
+    pending = ApprovalBook(h.store).pending()
+    assert len(pending) == 2 and all(r.status == "pending" for r in pending)  # nothing decided
+    assert h.audit(decision="operator") == [] and h.effects() == []

@@ -120,7 +120,8 @@ def _whose(resume: Resume, asked: ApprovalRequired, other: ApprovalRecord | None
     """Whom an answer is for: this call, a sibling's waiting request, or one decided already."""
     if resume.approval_id is None or resume.approval_id == asked.approval_id:
         return "mine"
-    if other is None or other.workflow != facts.workflow:
+    if other is None or facts.workflow is None or other.workflow != facts.workflow:
+        # no thread and no run: two such calls are not one workflow, whatever they share
         msg = (f"the resume value answers approval {resume.approval_id!r}, which is no request of "
                f"this workflow (this call waits for {asked.approval_id!r})")
         raise InvalidResume(msg)
