@@ -36,6 +36,9 @@ from toolguard.store.base import AuditEntry
     ({"type": "edit", "edited_action": {"name": "wipe_everything", "args": {"amount": 1}}},
      "invalid_resume"),
     (7, "invalid_resume"),
+    ({"type": "edit", "args": [1, 2]}, "invalid_resume"),
+    ({"type": "edit", "args": {"bogus": 1}}, "invalid_arguments"),  # validated as any call
+    ({"type": "edit", "args": {"amount": {"nested": {"deep": 1}}}}, "invalid_arguments"),
     ({"type": "approve", "by": "al\x00ice"}, "invalid_resume"),
     ({"type": "reject", "message": "no \ud800"}, "invalid_resume"),
     ({"decision": 1}, "invalid_resume"),
@@ -238,3 +241,16 @@ def test_an_answer_cannot_decide_a_request_of_no_workflow(harness: Any) -> None:
     pending = ApprovalBook(h.store).pending()
     assert len(pending) == 2 and all(r.status == "pending" for r in pending)  # nothing decided
     assert h.audit(decision="operator") == [] and h.effects() == []
+
+
+def test_an_edit_that_moves_the_call_to_another_resource_is_validated_and_locked_again(
+        harness: Any) -> None:
+    h = harness(POLICY)
+    graph, config, request = start(h, "g-move")
+    assert request["keys"] == ["lead:l1"]
+    out = graph.invoke(Command(resume={"type": "edit", "args": {"lead_id": "l2"}}), config)
+    assert tool_messages(out["messages"])["call-1"].content == "sent 5000"
+    assert [(row[1], row[2]) for row in h.effects()] == [("l2", 5000)]
+    (applied,) = [r for r in h.audit(intent_id="call-1") if r.decision == "accepted"]
+    assert applied.keys == ("lead:l2",) and applied.args["lead_id"] == "l2"
+    assert h.decisions("call-1") == [("rejected", "approval_required"), ("accepted", "applied")]
