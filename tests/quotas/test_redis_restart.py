@@ -1,4 +1,5 @@
-"""A Redis quota server that loses its data (restarted empty) fails closed, then recovers.
+"""Redis quotas: a server that loses its data (restarted empty) fails closed, then recovers;
+a key prefix that would split a call's counters across Cluster slots is refused.
 
 Counting again from zero would admit up to one more whole budget per window;
 instead every charge is refused until its window has passed since the loss,
@@ -13,7 +14,7 @@ import pytest
 from servers import RedisServer, private_redis  # noqa: F401  (fixture)
 
 from quotas.envs import facts, rule
-from toolguard.errors import BackendUnavailable, BudgetExceeded
+from toolguard.errors import BackendUnavailable, BudgetExceeded, ConfigurationError
 from toolguard.quotas import Quotas, quota_backend
 
 
@@ -54,3 +55,10 @@ def test_a_quota_server_restarted_empty_refuses_until_its_windows_passed(
             quotas.admit(budget, facts(amount=80))
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("prefix", ["", "a}b", "{x}", "tg q", "x" * 65])
+def test_a_prefix_that_breaks_the_hash_tag_is_a_configuration_error(redis_url: str,
+                                                                     prefix: str) -> None:
+    with pytest.raises(ConfigurationError, match="hash tag"):
+        quota_backend(redis_url, prefix=prefix)

@@ -24,6 +24,7 @@ older client's admission.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from toolguard.errors import BackendUnavailable
+from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.quotas.base import Admitted, Entry, Refused, Verdict, check_charges
 from toolguard.quotas.charges import Charge
 
@@ -182,6 +183,7 @@ return string.format('%.17g', total)
 """
 
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 SOCKET_TIMEOUT_S = 5.0
 
 
@@ -193,6 +195,10 @@ class _Shared:
     name = "redis"
 
     def __init__(self, prefix: str = "tgq") -> None:
+        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+            msg = (f"a quota prefix is 1 to 64 of A-Za-z0-9_.:- (it is the keys' hash tag, so "
+                   f"every counter of a call is on one Cluster slot), got {prefix!r}")
+            raise ConfigurationError(msg)
         self.prefix = prefix
         self.epoch = b""  # the server's epoch as this client last saw it (b"": not yet)
 
