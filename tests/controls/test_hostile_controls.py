@@ -106,13 +106,12 @@ def test_a_schemaless_call_cannot_dodge_its_approval_with_a_string(harness: Any)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_replay_never_draws_on_a_quota_again(harness: Any, asynchronous: bool) -> None:
-    """A call re-sent after its window ended (a resumed thread, a retried request) is a replay:
-    it neither draws the budget again nor is refused by one another call used up."""
+def test_a_quota_never_refuses_a_replay(harness: Any, asynchronous: bool) -> None:
+    """A call re-sent after its window ended (a resumed thread, a retried request), when another
+    call used up the budget meanwhile: it returns its recorded result, not budget_exceeded."""
     window = 2.0
     h = harness({"version": 1, "tools": {"transfer": {"locks": ["lead:{lead_id}"], "quotas": [
-        {"budget": 100, "arg": "amount", "window": f"{window:g}s"},
-        {"calls": 2, "window": f"{window:g}s"}]}}})
+        {"budget": 100, "arg": "amount", "window": f"{window:g}s"}]}}})
     first = intent("transfer", {"lead_id": "l1", "amount": 60}, call_id="a1")
     second = intent("transfer", {"lead_id": "l2", "amount": 60}, call_id="b1")
 
@@ -127,21 +126,23 @@ def test_a_replay_never_draws_on_a_quota_again(harness: Any, asynchronous: bool)
 
     async def steps(run: Any) -> list[Any]:
         out = [await run(first)]
-        await asyncio.sleep(window + 0.1)  # the first call's entries left the window
-        out += [await run(first), await run(second), await run(first)]
+        await asyncio.sleep(window + 0.1)  # the first call's entry left the window
+        out += [await run(second), await run(first), await run(first.model_copy(
+            update={"args": {"lead_id": "l1", "amount": 70}}))]
         return out
 
     async def sync_run(call: Any) -> Any:
         return h.guard.run(call, write)
 
-    applied, replay, other, again = asyncio.run(scenario() if asynchronous else steps(sync_run))
-    assert applied.ok and replay.kind == "replayed"
-    assert other.ok, other.message  # the replay took no budget and no call
-    # the budget is used up by b1, and a1 is still a replay of its recorded result
-    assert (again.kind, again.reason) == ("replayed", "duplicate"), again.message
+    applied, other, replay, changed = asyncio.run(scenario() if asynchronous
+                                                  else steps(sync_run))
+    assert applied.ok and other.ok
+    assert (replay.kind, replay.reason) == ("replayed", "duplicate"), replay.message
+    # the same key with other arguments is no replay: the quota refuses it as any call
+    assert changed.reason == "budget_exceeded", changed.message
     assert len(h.effects()) == 2
     assert h.decisions("a1") == [("accepted", "applied"), ("replayed", "duplicate"),
-                                 ("replayed", "duplicate")]
+                                 ("rejected", "budget_exceeded")]
 
 
 @pytest.mark.parametrize("odd", ["trans\x00fer", "transfer ", " transfer", "\ud800", "",

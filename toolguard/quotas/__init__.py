@@ -75,14 +75,13 @@ class _Held:
         return max((c.ttl_ms for c in self.charges if c.kind == "in_flight"), default=0)
 
 
-def _to_take_back(held: _Held, applied: bool, replayed: bool = False) -> list[Entry]:
+def _to_take_back(held: _Held, applied: bool) -> list[Entry]:
     """In-flight slots always; budget entries when the call did not apply. Rates stay counted.
 
-    A replay did nothing: every entry it added goes back (there is one only when the
-    intent's first entry had left its window).
+    A replay counts as applied: its entry may be the one another attempt of the
+    same intent, running at once, was admitted on (it found it counted), so
+    giving it back could leave an applied call drawn on nothing.
     """
-    if replayed:
-        return held.entries(("in_flight", "budget", "rate"))
     return held.entries(("in_flight",) if applied else ("in_flight", "budget"))
 
 
@@ -97,17 +96,16 @@ class Admission:
     def charges(self) -> tuple[Charge, ...]:
         return self.held.charges
 
-    def finish(self, *, applied: bool, replayed: bool = False) -> int:
+    def finish(self, *, applied: bool) -> int:
         """Free the in-flight slots; if the call did not apply, refund its budget. Idempotent.
 
-        ``applied`` is True for an accepted call, and for an outcome that is
-        unknown (it may have applied: fail closed, keep the budget drawn).
-        ``replayed``: the call returned an earlier result; all it added goes back.
+        ``applied`` is True for an accepted or replayed call, and for an outcome
+        that is unknown (it may have applied: fail closed, keep the budget drawn).
         """
         if self.held.done or self.backend is None:
             return 0
         self.held.done = True
-        return self.backend.release(_to_take_back(self.held, applied, replayed))
+        return self.backend.release(_to_take_back(self.held, applied))
 
     def renew(self) -> bool:
         """Extend the in-flight slots by their lease (a long call); False if one was lost."""
@@ -128,11 +126,11 @@ class AsyncAdmission:
     def charges(self) -> tuple[Charge, ...]:
         return self.held.charges
 
-    async def finish(self, *, applied: bool, replayed: bool = False) -> int:
+    async def finish(self, *, applied: bool) -> int:
         if self.held.done or self.backend is None:
             return 0
         self.held.done = True
-        return await self.backend.release(_to_take_back(self.held, applied, replayed))
+        return await self.backend.release(_to_take_back(self.held, applied))
 
     async def renew(self) -> bool:
         entries = self.held.entries(("in_flight",))

@@ -13,10 +13,12 @@ In ``mode: shadow`` a refusal is recorded as the would-be refusal and nothing
 is counted; after an earlier would-be refusal the step is skipped, as
 enforcement would not have reached it.
 
-A replay (the intent's key already applied, with the same arguments) never
-draws on a quota: an entry it added (its first one left the window) is given
-back when it ends, and a refusal is looked up in the store (``store=``; a
-round trip only when refused): a replay goes on to return its recorded result.
+A replay (the intent's key already applied, with the same arguments) is
+never refused by a quota: a refusal is looked up in the store (``store=``; a
+round trip only when refused), and a replay goes on, counted nothing, to
+return its recorded result. Within its window a replay finds its entry and is
+not counted again; after it, it is counted like a new call (fail closed: its
+entry cannot be told from one a running attempt of the same intent shares).
 """
 
 from __future__ import annotations
@@ -60,11 +62,9 @@ class Held:
     """What the call did, for ``finish``: set by ``decided`` once the call's decision is known."""
 
     applied: bool = False
-    replayed: bool = False
 
     def decided(self, decision: Decision) -> None:
         self.applied = decision.ok
-        self.replayed = decision.kind == "replayed"
 
 
 def _skip(prepared: Prepared, enforcement: Enforcement) -> bool:
@@ -167,7 +167,7 @@ _RENEWALS = _Renewals()
 
 def _finish(admission: Admission, state: Held) -> None:
     try:
-        admission.finish(applied=state.applied, replayed=state.replayed)
+        admission.finish(applied=state.applied)
     except Exception as error:  # never hide the call's outcome; the slot expires with its lease
         log.warning("could not finish a quota admission: %s", error)
 
@@ -219,7 +219,6 @@ async def aheld(admission: AsyncAdmission) -> AsyncIterator[Held]:
         if renewal is not None:
             renewal.cancel()
         try:
-            await asyncio.shield(admission.finish(applied=state.applied,
-                                                  replayed=state.replayed))
+            await asyncio.shield(admission.finish(applied=state.applied))
         except Exception as error:
             log.warning("could not finish a quota admission: %s", error)
