@@ -19,6 +19,7 @@ function), ``SqliteQuotas`` (one ``BEGIN IMMEDIATE``), each with an asyncio twin
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ from toolguard.quotas.base import (
     Verdict,
 )
 from toolguard.quotas.charges import IN_FLIGHT_RETRY_S, Charge, charges, refusal, scope_name
+
+log = logging.getLogger("toolguard.quotas")
 
 __all__ = [
     "IN_FLIGHT_RETRY_S",
@@ -74,6 +77,18 @@ class _Held:
     def lease_ms(self) -> int:
         return max((c.ttl_ms for c in self.charges if c.kind == "in_flight"), default=0)
 
+    def shared(self) -> tuple[Charge, ...]:
+        """The budget entries this admission found counted by another attempt of its intent."""
+        return tuple(c for c, new in zip(self.charges, self.fresh, strict=True)
+                     if not new and c.kind == "budget")
+
+
+def _redrawn(verdict: Verdict, shared: Sequence[Charge]) -> None:
+    if isinstance(verdict, Refused):
+        log.warning("an applied call's budget entry was refunded by another attempt of its "
+                    "intent, and %s is now full: it stays undercounted until its window ends",
+                    shared[verdict.index].counter)
+
 
 def _to_take_back(held: _Held, applied: bool) -> list[Entry]:
     """In-flight slots always; budget entries when the call did not apply. Rates stay counted.
@@ -101,11 +116,19 @@ class Admission:
 
         ``applied`` is True for an accepted or replayed call, and for an outcome
         that is unknown (it may have applied: fail closed, keep the budget drawn).
+        A budget entry this admission found counted by another attempt of the
+        intent (a retry while the first still ran) is drawn again when this one
+        applied: the other may have failed and been refunded meanwhile (one
+        more round trip, only for such a retry; a no-op when it is still there).
         """
         if self.held.done or self.backend is None:
             return 0
         self.held.done = True
-        return self.backend.release(_to_take_back(self.held, applied))
+        released = self.backend.release(_to_take_back(self.held, applied))
+        shared = self.held.shared() if applied else ()
+        if shared:  # another attempt counted them, and may have been refunded since: redraw
+            _redrawn(self.backend.admit(shared), shared)
+        return released
 
     def renew(self) -> bool:
         """Extend the in-flight slots by their lease (a long call); False if one was lost."""
@@ -130,7 +153,11 @@ class AsyncAdmission:
         if self.held.done or self.backend is None:
             return 0
         self.held.done = True
-        return await self.backend.release(_to_take_back(self.held, applied))
+        released = await self.backend.release(_to_take_back(self.held, applied))
+        shared = self.held.shared() if applied else ()
+        if shared:
+            _redrawn(await self.backend.admit(shared), shared)
+        return released
 
     async def renew(self) -> bool:
         entries = self.held.entries(("in_flight",))
