@@ -103,3 +103,15 @@ def test_hostile_budget_amounts_never_reach_a_backend() -> None:
             charges(amount, facts(amount=bad))
     assert charges(amount, facts(amount=-0.0))[0].kind == "rate"  # nothing drawn from the budget
     assert sorted(c.cost for c in charges(amount, facts(amount=10**15 // 10**14))) == [1.0, 10.0]
+
+
+def test_a_named_counter_survives_a_change_of_its_window_and_an_unnamed_one_does_not() -> None:
+    """What docs/policies.md tells a user reloading a policy: only a name keeps the counter."""
+    before = charges(rule([{"name": "spend", "budget": 100, "arg": "amount", "window": "1d"}]),
+                     facts(amount=5))[0]
+    after = charges(rule([{"name": "spend", "budget": 100, "arg": "amount", "window": "23h"}]),
+                    facts(amount=5))[0]
+    assert before.scope == after.scope
+    unnamed = [charges(rule([{"budget": 100, "arg": "amount", "window": w}]), facts(amount=5))[0]
+               for w in ("1d", "23h")]
+    assert unnamed[0].scope != unnamed[1].scope
