@@ -1,9 +1,9 @@
 """Approvals bound to the intent: ``approval:`` pauses a call for a person before it locks.
 
 A request is recorded in the store (``toolguard_approval``) for one intent: its
-tool, idempotency key, validated arguments' hash and the policy digest, with an
-expiry. An approval therefore cannot be replayed onto another call: other
-arguments, another tool or another policy version is ``approval_mismatch``;
+tool, agent, idempotency key, validated arguments' hash and the policy digest,
+with an expiry. An approval therefore cannot be replayed onto another call: other
+arguments, another tool or agent, or another policy version is ``approval_mismatch``;
 after the expiry it is ``approval_expired``. The person approves, edits (the
 edit replaces the top-level arguments it names, and the guard validates the
 result again) or rejects, with ``toolguard approve ID`` / ``toolguard deny ID``
@@ -284,10 +284,15 @@ def bind(record: ApprovalRecord, facts: CallFacts, now: datetime) -> Approved:
 
 
 def check_identity(record: ApprovalRecord, facts: CallFacts) -> None:
-    """``ApprovalMismatch`` unless ``record`` was asked for this very intent under this policy."""
+    """``ApprovalMismatch`` unless ``record`` was asked for this very intent, by this agent,
+    under this policy (a key template can make two agents' calls one intent)."""
     if record.tool != facts.tool or record.idempotency_key != facts.idempotency_key:
         msg = (f"approval {record.id} was given for another call ({record.tool}), not this "
                f"{facts.tool} call")
+        raise ApprovalMismatch(msg)
+    if record.agent != facts.agent:
+        msg = (f"approval {record.id} was given for a call by agent {record.agent!r}, not by "
+               f"{facts.agent!r}: a person approves one agent's call")
         raise ApprovalMismatch(msg)
     if record.args_hash != facts.args_hash:
         msg = (f"approval {record.id} was given for other arguments of {facts.tool}: an approval "

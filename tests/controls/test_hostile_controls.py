@@ -255,3 +255,18 @@ def test_an_edit_that_moves_the_call_to_another_resource_is_validated_and_locked
     (applied,) = [r for r in h.audit(intent_id="call-1") if r.decision == "accepted"]
     assert applied.keys == ("lead:l2",) and applied.args["lead_id"] == "l2"
     assert h.decisions("call-1") == [("rejected", "approval_required"), ("accepted", "applied")]
+
+
+def test_an_approval_is_bound_to_the_agent_it_was_asked_for(harness: Any) -> None:
+    """A key template can make two agents' calls one intent; a person approved one agent's."""
+    rules = {"version": 1, "agents": ["payments", "intruder"], "tools": {"transfer": {
+        "locks": ["lead:{lead_id}"], "idempotency_key": "pay:{lead_id}:{amount}",
+        "approval": True}}}
+    h = harness(rules)
+    args = {"lead_id": "l1", "amount": 5000}
+    asked = h.guard.run(intent("transfer", args, agent="payments", call_id="p1"), write)
+    ApprovalBook(h.store).decide(asked.approval_id, "approve", by="alice")
+    other = h.guard.run(intent("transfer", args, agent="intruder", call_id="i1"), write)
+    assert other.reason == "approval_mismatch", other.message
+    assert h.effects() == []
+    assert h.guard.run(intent("transfer", args, agent="payments", call_id="p2"), write).ok
