@@ -100,12 +100,17 @@ def test_in_flight_slots_are_leases(quota_env: QuotaEnv) -> None:
             assert running.renew()
         with pytest.raises(InFlightLimited):
             quotas.admit(slots, facts())
-        time.sleep(0.8)  # not renewed: the slot frees itself
+        time.sleep(0.8)  # not renewed: the slot frees itself (a dead holder's comes back)
+        late = quotas.admit(slots, facts())
+        assert not running.renew()  # renewed too late: lost, and the slot is taken
+        late.finish(applied=True)
+        # a live holder that renews late takes its slot again when it is free
+        time.sleep(0.8)
         assert not running.renew()
-        quotas.admit(slots, facts())
-        assert running.finish(applied=True) == 0  # its entry is gone; nothing else is taken
-        with pytest.raises(InFlightLimited):
+        with pytest.raises(InFlightLimited):  # the late holder is counted again
             quotas.admit(slots, facts())
+        assert running.finish(applied=True) == 1
+        quotas.admit(slots, facts())
     finally:
         closing.close()
 

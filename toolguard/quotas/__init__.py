@@ -77,10 +77,23 @@ class _Held:
     def lease_ms(self) -> int:
         return max((c.ttl_ms for c in self.charges if c.kind == "in_flight"), default=0)
 
+    def lost(self, kept: Sequence[bool]) -> tuple[Charge, ...]:
+        """The in-flight charges whose slot ``renew`` found gone (``kept``: per fresh slot)."""
+        slots = [c for c, new in zip(self.charges, self.fresh, strict=True)
+                 if new and c.kind == "in_flight"]
+        return tuple(c for c, ok in zip(slots, kept, strict=True) if not ok)
+
     def shared(self) -> tuple[Charge, ...]:
         """The budget entries this admission found counted by another attempt of its intent."""
         return tuple(c for c, new in zip(self.charges, self.fresh, strict=True)
                      if not new and c.kind == "budget")
+
+
+def _retaken(verdict: Verdict, lost: Sequence[Charge]) -> None:
+    if isinstance(verdict, Refused):
+        log.warning("an in-flight slot expired while its call ran (lease too short, or the "
+                    "process was paused) and %s is full now: the call runs over the limit",
+                    lost[verdict.index].counter)
 
 
 def _redrawn(verdict: Verdict, shared: Sequence[Charge]) -> None:
@@ -131,11 +144,20 @@ class Admission:
         return released
 
     def renew(self) -> bool:
-        """Extend the in-flight slots by their lease (a long call); False if one was lost."""
+        """Extend the in-flight slots by their lease (a long call); False if one was lost.
+
+        A slot lost while its call still runs (a renewal late past the lease, a
+        paused process) is taken again if it fits, so that the running call is
+        counted again; if it does not fit, the call runs over the limit (logged).
+        """
         entries = self.held.entries(("in_flight",))
         if self.backend is None or not entries or self.held.done:
             return True
-        return all(self.backend.renew(entries, self.held.lease_ms()))
+        kept = self.backend.renew(entries, self.held.lease_ms())
+        lost = self.held.lost(kept)
+        if lost:
+            _retaken(self.backend.admit(lost), lost)
+        return not lost
 
 
 @dataclass(slots=True)
@@ -163,7 +185,11 @@ class AsyncAdmission:
         entries = self.held.entries(("in_flight",))
         if self.backend is None or not entries or self.held.done:
             return True
-        return all(await self.backend.renew(entries, self.held.lease_ms()))
+        kept = await self.backend.renew(entries, self.held.lease_ms())
+        lost = self.held.lost(kept)
+        if lost:
+            _retaken(await self.backend.admit(lost), lost)
+        return not lost
 
 
 def _raise_refused(todo: Sequence[Charge], verdict: Refused, facts: CallFacts) -> None:
