@@ -270,3 +270,17 @@ def test_an_approval_is_bound_to_the_agent_it_was_asked_for(harness: Any) -> Non
     assert other.reason == "approval_mismatch", other.message
     assert h.effects() == []
     assert h.guard.run(intent("transfer", args, agent="payments", call_id="p2"), write).ok
+
+
+@pytest.mark.parametrize("name", ["x[/]", "[bold red]boom", "lookup[v2]"])
+def test_pause_names_are_printed_as_given(tmp_path: Any, name: str) -> None:
+    """Brackets in a name are text, not console markup: printing them neither crashes the
+    command after the pause was written nor shows another name than the one paused."""
+    url = f"sqlite:///{tmp_path}/store.db"
+    open_store(url, install=True).close()
+    runner = CliRunner()
+    for args in (["pause", name, "--tool"], ["pause"], ["resume", name, "--tool"]):
+        result = runner.invoke(app, [*args, "--url", url])
+        assert result.exit_code == 0, (args, result.output)
+        assert f"tool {name!r}" in result.output, (args, result.output)
+    assert "Nothing is paused." in runner.invoke(app, ["pause", "--url", url]).output
