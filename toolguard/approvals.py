@@ -91,6 +91,8 @@ PAYLOAD_TYPE = "toolguard_approval"
 _STATUS = {"approve": "approved", "edit": "approved", "reject": "denied"}
 _AUDIT_REASON = {"approve": "approved", "edit": "edited", "reject": "denied"}
 _MAX_NAME, _MAX_NOTE = 200, 2000
+#: How many unknown fields of a resume value an error names.
+_MAX_LISTED = 5
 #: What an approval id may look like: ``ap_`` + hex is what ``made`` writes; anything else
 #: (NUL, a 5,000-character string, a number) names no request and never reaches the store.
 _ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -359,7 +361,9 @@ def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
     note = _text(data.pop("note", None) or data.pop("message", None), "note", _MAX_NOTE)
     data.pop("tool_call_id", None)
     if data:
-        msg = f"unknown field(s) in the resume value: {', '.join(sorted(map(_shown, data)))}"
+        names = sorted(map(_shown, list(data)[:_MAX_LISTED]))
+        more = f" and {len(data) - _MAX_LISTED} more" if len(data) > _MAX_LISTED else ""
+        msg = f"unknown field(s) in the resume value: {', '.join(names)}{more}"
         raise InvalidResume(msg)
     return Resume(decision=decision, approval_id=given_id or approval_id,
                   args=dict(args) if args is not None else None, by=by, note=note, tool=tool)

@@ -19,7 +19,7 @@ from controls.calls import call, policy
 from controls.guarded import EFFECT, intent, write
 from controls.test_guard_approvals import BIG as BIG_CALL
 from controls.test_guard_approvals import POLICY, start
-from toolguard.approvals import ApprovalBook, InvalidResume, approval_reason
+from toolguard.approvals import ApprovalBook, InvalidResume, approval_reason, parse_resume
 from toolguard.cli import app
 from toolguard.errors import ApprovalRequired, ConfigurationError, UnknownApproval
 from toolguard.pause import PauseBoard
@@ -284,3 +284,10 @@ def test_pause_names_are_printed_as_given(tmp_path: Any, name: str) -> None:
         assert result.exit_code == 0, (args, result.output)
         assert f"tool {name!r}" in result.output, (args, result.output)
     assert "Nothing is paused." in runner.invoke(app, ["pause", "--url", url]).output
+
+
+def test_a_resume_value_with_many_unknown_fields_gets_a_short_refusal() -> None:
+    flood = {"type": "approve", **{f"field_{n}": n for n in range(100_000)}}
+    with pytest.raises(InvalidResume) as refused:
+        parse_resume(flood, approval_id="ap_1")
+    assert "and 99995 more" in refused.value.message and len(refused.value.message) < 300
