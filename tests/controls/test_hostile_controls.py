@@ -8,11 +8,13 @@ never approve or count anything it should not.
 from __future__ import annotations
 
 import asyncio
+from decimal import Decimal
 from typing import Any
 
 import pytest
 from guard.tools import tool_messages
 from langgraph.types import Command
+from pydantic import create_model
 from typer.testing import CliRunner
 
 from controls.calls import call, policy
@@ -21,7 +23,12 @@ from controls.test_guard_approvals import BIG as BIG_CALL
 from controls.test_guard_approvals import POLICY, start
 from toolguard.approvals import ApprovalBook, InvalidResume, approval_reason, parse_resume
 from toolguard.cli import app
-from toolguard.errors import ApprovalRequired, ConfigurationError, UnknownApproval
+from toolguard.errors import (
+    ApprovalRequired,
+    ConfigurationError,
+    PolicyProblems,
+    UnknownApproval,
+)
 from toolguard.pause import PauseBoard
 from toolguard.store import open_store
 from toolguard.store.base import AuditEntry
@@ -291,3 +298,15 @@ def test_a_resume_value_with_many_unknown_fields_gets_a_short_refusal() -> None:
     with pytest.raises(InvalidResume) as refused:
         parse_resume(flood, approval_id="ap_1")
     assert "and 99995 more" in refused.value.message and len(refused.value.message) < 300
+
+
+@pytest.mark.parametrize("kind", [Decimal, str, bool, int | str, list[int]])
+def test_a_budget_on_an_argument_that_is_not_only_a_number_raises_to_the_developer(
+        harness: Any, kind: Any) -> None:
+    """Decimal is a number or a string in JSON, a bool is no amount: the guard refuses the
+    wiring at register(), before any call could be refused for it."""
+    h = harness({"version": 1, "tools": {"transfer": {
+        "locks": ["lead:{lead_id}"], "quotas": [{"budget": 100, "arg": "amount", "window": "1h"}]}}})
+    schema = create_model("Transfer", lead_id=(str, ...), amount=(kind, ...))
+    with pytest.raises(PolicyProblems, match="a budget sums numbers"):
+        h.guard.register("transfer", schema)
