@@ -254,7 +254,7 @@ class ToolGuard:
                 self._audit_entry(state.shadow_entry(), call)
                 with held(admission) as done:
                     decision = self._execute(state, prepared, execute, call, locks, store)
-                    done.decided(decision)
+                    done.applied = decision.ok
                 return decision
             except BaseException as error:
                 if is_pending(error):  # paused for a person: audited when asked, nothing ran
@@ -365,7 +365,7 @@ class ToolGuard:
                 await self._aaudit_entry(state.shadow_entry(), call)
                 async with aheld(admission) as done:
                     decision = await self._aexecute(state, prepared, execute, call, locks, store)
-                    done.decided(decision)
+                    done.applied = decision.ok
                 return decision
             except BaseException as error:
                 if is_pending(error):

@@ -31,7 +31,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from toolguard._rows import arows, rows
 from toolguard.errors import GuardMisconfigured, QuotaExceeded, is_control_flow
@@ -40,9 +39,6 @@ from toolguard.quotas import Admission, AsyncAdmission, AsyncQuotas, Quotas
 from toolguard.shadow import Enforcement
 from toolguard.steps.prepared import Prepared
 from toolguard.store.base import AsyncGuardedStore, GuardedStore
-
-if TYPE_CHECKING:
-    from toolguard.decision import Decision
 
 __all__ = ["Held", "aadmit", "admit", "aheld", "held"]
 
@@ -53,18 +49,19 @@ _NO_BACKEND = ("tool {tool!r} has quotas, and this guard has no quota backend: g
 #: Renew an in-flight slot when a third of its lease is left.
 _RENEW_FRACTION = 1 / 3
 #: Is this intent applied already, with these arguments (then the call is a replay)?
-_APPLIED = ("SELECT 1 FROM toolguard_intent WHERE idempotency_key = %s AND args_hash = %s "
-            "AND status = 'applied'")
+_APPLIED = ("SELECT 1 FROM toolguard_intent WHERE idempotency_key = %s AND tool = %s "
+            "AND args_hash = %s AND status = 'applied'")
 
 
 @dataclass(slots=True)
 class Held:
-    """What the call did, for ``finish``: set by ``decided`` once the call's decision is known."""
+    """What the call did, for ``finish``: ``applied`` is set once the call's decision is known."""
 
     applied: bool = False
 
-    def decided(self, decision: Decision) -> None:
-        self.applied = decision.ok
+
+def _replay_params(facts: CallFacts) -> tuple[str, str, str]:
+    return facts.idempotency_key, facts.tool, facts.args_hash
 
 
 def _skip(prepared: Prepared, enforcement: Enforcement) -> bool:
@@ -83,8 +80,7 @@ def admit(quotas: Quotas | None, prepared: Prepared, facts: CallFacts,
         try:
             admission = quotas.admit(prepared.rule, facts)
         except QuotaExceeded:
-            if store is None or not rows(store, _APPLIED, (facts.idempotency_key,
-                                                           facts.args_hash)):
+            if store is None or not rows(store, _APPLIED, _replay_params(facts)):
                 raise  # not a replay: refused
     return admission
 
@@ -102,8 +98,7 @@ async def aadmit(quotas: AsyncQuotas | None, prepared: Prepared, facts: CallFact
         try:
             admission = await quotas.admit(prepared.rule, facts)
         except QuotaExceeded:
-            if store is None or not await arows(store, _APPLIED, (facts.idempotency_key,
-                                                                  facts.args_hash)):
+            if store is None or not await arows(store, _APPLIED, _replay_params(facts)):
                 raise
     return admission
 
@@ -165,9 +160,9 @@ def _renew(admission: Admission) -> None:
 _RENEWALS = _Renewals()
 
 
-def _finish(admission: Admission, state: Held) -> None:
+def _finish(admission: Admission, applied: bool) -> None:
     try:
-        admission.finish(applied=state.applied)
+        admission.finish(applied=applied)
     except Exception as error:  # never hide the call's outcome; the slot expires with its lease
         log.warning("could not finish a quota admission: %s", error)
 
@@ -176,7 +171,7 @@ def _finish(admission: Admission, state: Held) -> None:
 def held(admission: Admission) -> Iterator[Held]:
     """Run the call with its admission: renewed while it runs, finished however it ends.
 
-    Call ``decided`` on the yielded ``Held`` with the call's decision; an exception
+    Set ``applied`` on the yielded ``Held`` once the call applied; an exception
     that is control flow (cancellation, an interrupt) counts as applied: the
     outcome is unknown, so the budget stays drawn.
     """
@@ -191,7 +186,7 @@ def held(admission: Admission) -> Iterator[Held]:
     finally:
         if number is not None:
             _RENEWALS.remove(number)
-        _finish(admission, state)
+        _finish(admission, state.applied)
 
 
 async def _arenew(admission: AsyncAdmission, period_s: float) -> None:
