@@ -1,9 +1,9 @@
 """Approvals bound to the intent: ``approval:`` pauses a call for a person before it locks.
 
 A request is recorded in the store (``toolguard_approval``) for one intent: its
-tool, idempotency key, validated arguments' hash and the policy digest, with an
-expiry. An approval therefore cannot be replayed onto another call: other
-arguments, another tool or another policy version is ``approval_mismatch``;
+tool, agent, idempotency key, validated arguments' hash and the policy digest,
+with an expiry. An approval therefore cannot be replayed onto another call: other
+arguments, another tool or agent, or another policy version is ``approval_mismatch``;
 after the expiry it is ``approval_expired``. The person approves, edits (the
 edit replaces the top-level arguments it names, and the guard validates the
 result again) or rejects, with ``toolguard approve ID`` / ``toolguard deny ID``
@@ -40,6 +40,8 @@ Resume value (``parse_resume``), shaped like LangChain's HITL decisions::
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,10 +58,11 @@ from toolguard.errors import (
     UnknownApproval,
 )
 from toolguard.facts import CallFacts
-from toolguard.intent import args_hash
+from toolguard.intent import args_hash, check_limits
 from toolguard.policies.decisions import _violation
 from toolguard.policies.model import ArgConstraint, ToolPolicy
 from toolguard.policies.paths import MISSING, FieldPath
+from toolguard.recording import storable, storable_text
 from toolguard.store.base import AsyncGuardedStore, AuditEntry, GuardedStore, dump_json
 
 __all__ = [
@@ -73,9 +76,11 @@ __all__ = [
     "Resume",
     "approval_reason",
     "bind",
+    "check_edit",
     "check_identity",
     "parse_resume",
     "request_refusal",
+    "well_formed_id",
 ]
 
 ApprovalStatus = Literal["pending", "approved", "denied"]
@@ -86,6 +91,11 @@ PAYLOAD_TYPE = "toolguard_approval"
 _STATUS = {"approve": "approved", "edit": "approved", "reject": "denied"}
 _AUDIT_REASON = {"approve": "approved", "edit": "edited", "reject": "denied"}
 _MAX_NAME, _MAX_NOTE = 200, 2000
+#: How many unknown fields of a resume value an error names.
+_MAX_LISTED = 5
+#: What an approval id may look like: ``ap_`` + hex is what ``made`` writes; anything else
+#: (NUL, a 5,000-character string, a number) names no request and never reaches the store.
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 COLUMNS = ("id", "tool", "agent", "workflow", "idempotency_key", "args_hash", "policy_version",
            "keys", "args", "why", "status", "requested_at", "expires_at", "decided_by",
@@ -177,6 +187,14 @@ class Resume:
     args: Mapping[str, Any] | None = None
     by: str | None = None
     note: str | None = None
+    tool: str | None = None  # the tool an edit names (``edited_action.name``), if any
+
+    def check_tool(self, record: ApprovalRecord) -> None:
+        """``InvalidResume`` for an edit naming another tool than the request's: never run as this one."""
+        if self.tool is not None and self.tool != record.tool:
+            msg = (f"the edit names tool {self.tool!r}, and approval {record.id} is for "
+                   f"{record.tool!r}: an edit changes arguments, never the tool")
+            raise InvalidResume(msg)
 
 
 # --- pure decisions ------------------------------------------------------------------------
@@ -198,12 +216,36 @@ def approval_reason(rule: ToolPolicy, args: Mapping[str, Any]) -> str | None:
 
 
 def _matches(path: FieldPath, constraint: ArgConstraint, args: Mapping[str, Any]) -> str | None:
-    """``"amount > 1000"`` when some value at ``path`` satisfies ``constraint``, else None."""
+    """``"amount > 1000"`` when some value at ``path`` satisfies ``constraint``, else None.
+
+    A value the condition cannot judge (``"5000"`` or ``true`` for ``gt: 1000``: a
+    tool without a registered schema takes what the model sends) matches: a call
+    is never spared its approval because its value has an unexpected type.
+    """
     for where, value in path.resolve(args):
         if value is MISSING or value is None:
             continue
+        shown = where.removeprefix("args.")
+        odd = _unjudgeable(constraint, value)
+        if odd is not None:
+            return f"{shown} is {odd}, not comparable with {_described(constraint)}"
         if _violation(constraint, value) is None:
-            return f"{where.removeprefix('args.')} {_described(constraint)}"
+            return f"{shown} {_described(constraint)}"
+    return None
+
+
+def _unjudgeable(constraint: ArgConstraint, value: Any) -> str | None:
+    """What ``value`` is, when it is not of a kind ``constraint`` compares (else None)."""
+    kinds = constraint.kinds
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if "number" in kinds and not is_number:
+        return f"not a number ({type(value).__name__})"
+    if "number" in kinds and isinstance(value, float) and not math.isfinite(value):
+        return "not a finite number"
+    if "string" in kinds and not isinstance(value, str):
+        return f"not text ({type(value).__name__})"
+    if "collection" in kinds and not isinstance(value, list | tuple | Mapping):
+        return f"not a list ({type(value).__name__})"
     return None
 
 
@@ -244,10 +286,15 @@ def bind(record: ApprovalRecord, facts: CallFacts, now: datetime) -> Approved:
 
 
 def check_identity(record: ApprovalRecord, facts: CallFacts) -> None:
-    """``ApprovalMismatch`` unless ``record`` was asked for this very intent under this policy."""
+    """``ApprovalMismatch`` unless ``record`` was asked for this very intent, by this agent,
+    under this policy (a key template can make two agents' calls one intent)."""
     if record.tool != facts.tool or record.idempotency_key != facts.idempotency_key:
         msg = (f"approval {record.id} was given for another call ({record.tool}), not this "
                f"{facts.tool} call")
+        raise ApprovalMismatch(msg)
+    if record.agent != facts.agent:
+        msg = (f"approval {record.id} was given for a call by agent {record.agent!r}, not by "
+               f"{facts.agent!r}: a person approves one agent's call")
         raise ApprovalMismatch(msg)
     if record.args_hash != facts.args_hash:
         msg = (f"approval {record.id} was given for other arguments of {facts.tool}: an approval "
@@ -266,9 +313,19 @@ def request_refusal(record: ApprovalRecord) -> ApprovalRequired:
     return ApprovalRequired(msg, approval_id=record.id, request=record.payload())
 
 
+def well_formed_id(value: Any) -> bool:
+    """True if ``value`` can be an approval id (text, 1 to 128 of ``A-Za-z0-9_.:-``)."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
 def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
-    """Read a resume value (see the module docstring); ``InvalidResume`` says what is wrong."""
-    if value in DECISIONS and value != "edit":
+    """Read a resume value (see the module docstring); ``InvalidResume`` says what is wrong.
+
+    Everything in it is untrusted: the id must look like one, an edit's arguments
+    must be JSON within the default input limits (the guard validates them again
+    against the tool), texts must be storable.
+    """
+    if isinstance(value, str) and value in DECISIONS and value != "edit":
         return Resume(decision=value, approval_id=approval_id)
     if not isinstance(value, Mapping):
         msg = (f"a resume value is 'approve', 'reject' or a mapping with type: approve|edit|reject, "
@@ -276,24 +333,27 @@ def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
         raise InvalidResume(msg)
     data = dict(value)
     decision = data.pop("type", None) or data.pop("decision", None)
-    if decision not in DECISIONS:
-        msg = f"type must be one of {', '.join(DECISIONS)}, got {decision!r}"
+    if not isinstance(decision, str) or decision not in DECISIONS:
+        msg = f"type must be one of {', '.join(DECISIONS)}, got {_shown(decision)}"
         raise InvalidResume(msg)
     given_id = data.pop("approval_id", None)
+    if given_id is not None and not well_formed_id(given_id):
+        msg = f"approval_id is not an approval id: {_shown(given_id)}"
+        raise InvalidResume(msg)
     if given_id is not None and approval_id is not None and given_id != approval_id:
         msg = f"the resume value answers approval {given_id!r}, not {approval_id!r}"
         raise InvalidResume(msg)
     args = data.pop("args", None)
     action = data.pop("edited_action", None)
+    tool: str | None = None
     if action is not None:
-        if not isinstance(action, Mapping) or args is not None:
-            msg = "edited_action is a mapping with args (give it or args, not both)"
+        if not isinstance(action, Mapping) or args is not None or not set(action) <= {"name", "args"}:
+            msg = "edited_action is a mapping with args (and name); give it or args, not both"
             raise InvalidResume(msg)
         args = action.get("args")
+        tool = _text(action.get("name"), "edited_action.name", _MAX_NAME)
     if decision == "edit":
-        if not isinstance(args, Mapping) or not args or not all(isinstance(k, str) for k in args):
-            msg = "an edit needs args: a non-empty mapping of the arguments it replaces"
-            raise InvalidResume(msg)
+        check_edit(args)
     elif args is not None:
         msg = f"args only go with type: edit, not {decision}"
         raise InvalidResume(msg)
@@ -301,17 +361,44 @@ def parse_resume(value: Any, *, approval_id: str | None = None) -> Resume:
     note = _text(data.pop("note", None) or data.pop("message", None), "note", _MAX_NOTE)
     data.pop("tool_call_id", None)
     if data:
-        msg = f"unknown field(s) in the resume value: {', '.join(sorted(map(str, data)))}"
+        names = sorted(map(_shown, list(data)[:_MAX_LISTED]))
+        more = f" and {len(data) - _MAX_LISTED} more" if len(data) > _MAX_LISTED else ""
+        msg = f"unknown field(s) in the resume value: {', '.join(names)}{more}"
         raise InvalidResume(msg)
     return Resume(decision=decision, approval_id=given_id or approval_id,
-                  args=dict(args) if args is not None else None, by=by, note=note)
+                  args=dict(args) if args is not None else None, by=by, note=note, tool=tool)
+
+
+def check_edit(args: Any) -> None:
+    """``InvalidResume`` unless ``args`` can be an edit: a non-empty mapping of JSON values
+    within the default input limits, storable in every store (no NUL, valid Unicode).
+
+    The person's edit is checked before it is stored as a decision; the guard then
+    validates the edited call against the tool and the policy, as any call.
+    """
+    if not isinstance(args, Mapping) or not args or not all(isinstance(k, str) for k in args):
+        msg = "an edit needs args: a non-empty mapping of the arguments it replaces"
+        raise InvalidResume(msg)
+    try:
+        check_limits(args, root="the edit's args")
+    except IntentRejected as error:
+        raise InvalidResume(error.message) from None
+    if storable(dict(args)) != args:
+        msg = "the edit's args hold NUL or a lone surrogate, which no store keeps"
+        raise InvalidResume(msg)
+
+
+def _shown(value: Any) -> str:
+    """A short, storable rendering of an untrusted value for an error message."""
+    text = repr(value)
+    return storable_text(text if len(text) <= 60 else f"{text[:57]}...") or ""
 
 
 def _text(value: Any, name: str, limit: int) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or len(value) > limit:
-        msg = f"{name} is text of at most {limit} characters"
+    if not isinstance(value, str) or len(value) > limit or storable_text(value, limit) != value:
+        msg = f"{name} is text of at most {limit} characters (no NUL, valid Unicode)"
         raise InvalidResume(msg)
     return value
 
@@ -355,12 +442,16 @@ def _insert_params(facts: CallFacts, why: str, expires_s: float, now: datetime,
 
 def _decide_params(approval_id: str, decision: DecisionName, by: str | None, note: str | None,
                    args: Mapping[str, Any] | None, now: datetime, dialect: str) -> tuple[Any, ...]:
+    if not well_formed_id(approval_id):
+        raise UnknownApproval(f"no approval request {_shown(approval_id)}")
     if decision not in DECISIONS:
         msg = f"a decision is one of {', '.join(DECISIONS)}, got {decision!r}"
         raise InvalidResume(msg)
     if (decision == "edit") != (args is not None):
         msg = "an edit needs args, and only an edit takes them"
         raise InvalidResume(msg)
+    if args is not None:
+        check_edit(args)
     edited = dump_json(dict(args), "edited args") if args is not None else None
     edited_hash = args_hash(dict(args)) if args is not None else None
     return (_STATUS[decision], by, _stored(now, dialect), note, edited, edited_hash, approval_id,
@@ -428,6 +519,7 @@ class ApprovalBook:
                 raise ApprovalMismatch(msg)
             if record.status == "pending":
                 check_identity(record, facts)  # a resume meant for another call decides nothing
+                resume.check_tool(record)
                 record = self.decide(record.id, resume.decision, by=resume.by, note=resume.note,
                                      args=resume.args)
             return bind(record, facts, self.clock())
@@ -451,6 +543,9 @@ class ApprovalBook:
         return found, False
 
     def get(self, approval_id: str) -> ApprovalRecord | None:
+        """The request ``approval_id`` names; None for none (or for text no id looks like)."""
+        if not well_formed_id(approval_id):
+            return None
         found = rows(self.store, f"{SELECT} WHERE id = %s", (approval_id,))
         return _record(found[0]) if found else None
 
@@ -502,6 +597,7 @@ class AsyncApprovalBook:
                 raise ApprovalMismatch(msg)
             if record.status == "pending":
                 check_identity(record, facts)
+                resume.check_tool(record)
                 record = await self.decide(record.id, resume.decision, by=resume.by,
                                            note=resume.note, args=resume.args)
             return bind(record, facts, self.clock())
@@ -524,6 +620,8 @@ class AsyncApprovalBook:
         return found, False
 
     async def get(self, approval_id: str) -> ApprovalRecord | None:
+        if not well_formed_id(approval_id):
+            return None
         found = await arows(self.store, f"{SELECT} WHERE id = %s", (approval_id,))
         return _record(found[0]) if found else None
 

@@ -250,7 +250,7 @@ class ToolGuard:
                     on_request=lambda asked: self._asked(state, asked, call))
                 state.prepared = prepared = self._edited(state, approved, call)
                 admission = admit(self.controls.quotas, prepared, facts_of(intent, prepared),
-                                  state.enforcement)
+                                  state.enforcement, store=store)
                 self._audit_entry(state.shadow_entry(), call)
                 with held(admission) as done:
                     decision = self._execute(state, prepared, execute, call, locks, store)
@@ -360,7 +360,8 @@ class ToolGuard:
                     interrupt=interrupt, on_request=asked)
                 state.prepared = prepared = self._edited(state, approved, call)
                 admission = await aadmit(self.controls.async_quotas, prepared,
-                                         facts_of(intent, prepared), state.enforcement)
+                                         facts_of(intent, prepared), state.enforcement,
+                                         store=store)
                 await self._aaudit_entry(state.shadow_entry(), call)
                 async with aheld(admission) as done:
                     decision = await self._aexecute(state, prepared, execute, call, locks, store)

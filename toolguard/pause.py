@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from toolguard._rows import arows, rows
 from toolguard.errors import ConfigurationError, Paused
+from toolguard.recording import storable_text
 from toolguard.store.base import AsyncGuardedStore, AuditEntry, GuardedStore
 
 __all__ = ["ALL", "AsyncPauseBoard", "PauseBoard", "PauseKind", "PauseRecord", "PauseSet"]
@@ -34,6 +35,8 @@ __all__ = ["ALL", "AsyncPauseBoard", "PauseBoard", "PauseKind", "PauseRecord", "
 PauseKind = Literal["tool", "agent", "all"]
 #: The name of the pause that stops every call.
 ALL = "*"
+#: The audit decisions of calls (every other row is an operator's).
+CALL_DECISIONS = ("accepted", "replayed", "rejected", "failed", "unknown", "shadow")
 
 SELECT = "SELECT kind, name, reason, paused_by, paused_at FROM toolguard_pause ORDER BY kind, name"
 UPSERT = ("INSERT INTO toolguard_pause (kind, name, reason, paused_by) VALUES (%s, %s, %s, %s) "
@@ -103,6 +106,10 @@ def _target(kind: str, name: str) -> tuple[PauseKind, str]:
     if not isinstance(name, str) or not name or len(name) > 256:
         msg = f"a pause needs the {checked}'s name (1 to 256 characters), got {name!r}"
         raise ConfigurationError(msg)
+    if storable_text(name) != name or name != name.strip():
+        msg = (f"a pause names a {checked} exactly as its calls do: no NUL, no lone surrogates, "
+               f"no leading or trailing spaces, got {name!r}")
+        raise ConfigurationError(msg)
     return checked, name
 
 
@@ -170,6 +177,17 @@ class PauseBoard:
     def records(self) -> tuple[PauseRecord, ...]:
         """Every pause, read now."""
         return tuple(_record(row) for row in rows(self.store, SELECT))
+
+    def known(self, kind: str, name: str) -> bool:
+        """True if the audit log holds a call of this tool (or by this agent).
+
+        A pause of a name no call ever had (a typo) stops nothing: the CLI warns.
+        """
+        checked, target = _target(kind, name)
+        if checked == "all":
+            return True
+        return bool(self.store.query_audit(**{checked: target}, decision=list(CALL_DECISIONS),
+                                           limit=1))
 
     def pause(self, kind: str, name: str = ALL, *, by: str | None = None,
               reason: str | None = None) -> PauseRecord:

@@ -179,7 +179,8 @@ def test_a_graph_interrupts_with_the_request_and_resumes_on_approval(harness: An
     ({"type": "reject", "message": "not today", "by": "bob"}, "approval_denied", []),
     ({"type": "maybe"}, "invalid_resume", []),
     ({"type": "approve", "by": "x" * 5000}, "invalid_resume", []),              # hostile: huge
-    ({"type": "edit", "args": {"amount": "9" * 5000}}, "invalid_arguments", []),  # over limits
+    # over the input limits: refused before the edit is stored as a decision
+    ({"type": "edit", "args": {"amount": "9" * 5000}}, "invalid_resume", []),
     (["approve"], "invalid_resume", []),
 ])
 def test_a_resume_edits_or_rejects(harness: Any, answer: Any, content: str,

@@ -183,3 +183,24 @@ def test_swap_hook_and_folder(tmp_path: Path) -> None:
     assert watcher.check() and swaps == [(1, 2)]
     (folder / "b.yml").unlink()
     assert watcher.check() and swaps == [(1, 2), (2, 1)]
+
+
+def test_a_deleted_or_emptied_file_keeps_the_old_policy_and_is_reported_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "policy.yml"
+    write_atomically(path, policy_text(1000, tools=2))
+    watcher = PolicyWatcher(path, settle_s=0)
+    first = watcher.current
+    with caplog.at_level(logging.ERROR, logger="toolguard.policy"):
+        for broken in ("", "# nothing but a comment\n", "null\n", "- a list\n"):
+            write_atomically(path, broken)
+            assert not watcher.check() and watcher.current is first, broken
+        reported = watcher.failures
+        path.unlink()
+        assert not watcher.check() and watcher.current is first
+        assert watcher.failures == reported + 1
+        for _ in range(3):  # still gone: not reported again every round
+            assert not watcher.check()
+        assert watcher.failures == reported + 1
+    write_atomically(path, policy_text(3000, tools=2))  # back: loaded at once
+    assert watcher.check() and watcher.current.tools["tool_0"].ttl_ms == 3000

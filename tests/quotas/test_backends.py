@@ -100,12 +100,17 @@ def test_in_flight_slots_are_leases(quota_env: QuotaEnv) -> None:
             assert running.renew()
         with pytest.raises(InFlightLimited):
             quotas.admit(slots, facts())
-        time.sleep(0.8)  # not renewed: the slot frees itself
+        time.sleep(0.8)  # not renewed: the slot frees itself (a dead holder's comes back)
+        late = quotas.admit(slots, facts())
+        assert not running.renew()  # renewed too late: lost, and the slot is taken
+        late.finish(applied=True)
+        # a live holder that renews late takes its slot again when it is free
+        time.sleep(0.8)
         assert not running.renew()
-        quotas.admit(slots, facts())
-        assert running.finish(applied=True) == 0  # its entry is gone; nothing else is taken
-        with pytest.raises(InFlightLimited):
+        with pytest.raises(InFlightLimited):  # the late holder is counted again
             quotas.admit(slots, facts())
+        assert running.finish(applied=True) == 1
+        quotas.admit(slots, facts())
     finally:
         closing.close()
 
@@ -161,3 +166,22 @@ def test_async_twin(quota_env: QuotaEnv) -> None:
             await closing.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_attempt_that_applied_on_a_shared_entry_keeps_it_drawn(quota_env: QuotaEnv) -> None:
+    """Two attempts of one intent at once: the first (which counted the entry) fails and is
+    refunded, the second (which found it counted) applies. The budget stays drawn once."""
+    backend, closing = quota_env.open()
+    try:
+        pay = rule(PAY[:2])
+        quotas = Quotas(backend)
+        first = quotas.admit(pay, facts(key="intent-1", amount=70))
+        second = quotas.admit(pay, facts(key="intent-1", amount=70))
+        assert second.held.fresh == (False, False)
+        first.finish(applied=False)  # refunded: its budget entry is gone
+        second.finish(applied=True)  # applied on that entry: it is drawn again
+        assert usage(backend, facts(), pay) == {"rate": 1, "budget": 70}
+        with pytest.raises(BudgetExceeded):  # 70 + 40 > 100: the applied call is counted
+            quotas.admit(pay, facts(amount=40))
+    finally:
+        closing.close()

@@ -72,7 +72,7 @@ def test_calls_without_agent_or_workflow_count_apart_from_named_ones() -> None:
 
 def test_refusals_say_what_and_when() -> None:
     quotas = rule([{"calls": 5, "window": "1m", "per": "agent"}, {"in_flight": 1, "lease": "5m"},
-                   {"budget": 10, "arg": "amount", "window": "1d"}])
+                   {"budget": 100, "arg": "amount", "window": "1d"}])
     call = facts(amount=20)
     budget, flight, rate = charges(quotas, call)
     error = refusal(rate, 12.5, call)
@@ -85,3 +85,33 @@ def test_refusals_say_what_and_when() -> None:
     never = refusal(budget, None, call)
     assert isinstance(never, BudgetExceeded) and never.retry_after_s is None
     assert "would draw 20 of amount" in never.message and "can never fit" in never.message
+
+
+def test_hostile_budget_amounts_never_reach_a_backend() -> None:
+    """Amounts past float's range are over any budget; hostile types and signs are refused."""
+    amount = rule([{"calls": 5, "window": "1m"}, {"budget": 100, "arg": "amount", "window": "1h"}])
+    items = rule([{"budget": 100, "arg": "items[*].price", "window": "1h"}])
+    huge = [facts(amount=10**400),
+            facts(args={"id": 1, "items": [{"price": 1e308}, {"price": 1e308}]}),
+            facts(amount=101)]
+    for call in huge:
+        with pytest.raises(BudgetExceeded) as caught:
+            charges(amount if "amount" in call.args else items, call)
+        assert caught.value.retry_after_s is None and "can never fit" in caught.value.message
+    for bad in (-(10**400), -0.5, float("inf"), float("-inf"), "1e3", {"amount": 1}):
+        with pytest.raises(InvalidArguments, match=r"args\.amount"):
+            charges(amount, facts(amount=bad))
+    assert charges(amount, facts(amount=-0.0))[0].kind == "rate"  # nothing drawn from the budget
+    assert sorted(c.cost for c in charges(amount, facts(amount=10**15 // 10**14))) == [1.0, 10.0]
+
+
+def test_a_named_counter_survives_a_change_of_its_window_and_an_unnamed_one_does_not() -> None:
+    """What docs/policies.md tells a user reloading a policy: only a name keeps the counter."""
+    before = charges(rule([{"name": "spend", "budget": 100, "arg": "amount", "window": "1d"}]),
+                     facts(amount=5))[0]
+    after = charges(rule([{"name": "spend", "budget": 100, "arg": "amount", "window": "23h"}]),
+                    facts(amount=5))[0]
+    assert before.scope == after.scope
+    unnamed = [charges(rule([{"budget": 100, "arg": "amount", "window": w}]), facts(amount=5))[0]
+               for w in ("1d", "23h")]
+    assert unnamed[0].scope != unnamed[1].scope

@@ -18,7 +18,13 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from toolguard.approvals import ApprovalBook, ApprovalRecord, DecisionName
+from toolguard.approvals import (
+    ApprovalBook,
+    ApprovalRecord,
+    DecisionName,
+    InvalidResume,
+    check_edit,
+)
 from toolguard.cli._common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -91,6 +97,10 @@ def _edited(text: str | None) -> dict[str, Any] | None:
     if not isinstance(value, dict) or not value:
         raise typer.BadParameter("a JSON object of the arguments to replace, e.g. "
                                  "'{\"amount\": 900}'", param_hint="--args")
+    try:
+        check_edit(value)
+    except InvalidResume as error:
+        raise typer.BadParameter(error.message, param_hint="--args") from None
     return value
 
 

@@ -100,11 +100,17 @@ def pause(
                 out.print("Nothing is paused.")
             for record in records:
                 since = record.paused_at.isoformat(timespec="seconds") if record.paused_at else "-"
-                out.print(f"{record.describe()} (since {since})", soft_wrap=True)
+                out.print(f"{record.describe()} (since {since})", soft_wrap=True, markup=False)
             return
         for kind, target in targets:
             record = board.pause(kind, target, by=operator_name(by), reason=reason)
-            out.print(record.describe(), soft_wrap=True)
+            out.print(record.describe(), soft_wrap=True, markup=False)
+        if not any(board.known(kind, target) for kind, target in targets):
+            what = " or ".join(kind for kind, _ in targets)
+            console(stderr=True).print(
+                f"warning: the audit log has no call of a {what} named {name!r}: check the "
+                f"name (a typo stops nothing); the pause is in force", style="yellow",
+                soft_wrap=True, markup=False)
     out.print("Running guards refuse new calls within their pause cache (1 s by default).",
               style="dim")
 
@@ -125,4 +131,5 @@ def resume(
     if not lifted:
         fail(f"{name or 'everything'} was not paused", EXIT_FAILED)
     for kind, target in lifted:
-        out.print("every call resumed" if kind == "all" else f"{kind} {target!r} resumed")
+        out.print("every call resumed" if kind == "all" else f"{kind} {target!r} resumed",
+                  markup=False)

@@ -85,6 +85,7 @@ class PolicyWatcher:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._signature = _signature(self.paths)
+        self._gone = False  # the files could not be listed at the last look (reported)
         self._policy = self._load()
         self.loaded_at = time.time()
         self.swaps = 0
@@ -113,8 +114,8 @@ class PolicyWatcher:
     def check(self) -> bool:
         """Reload if the files changed since the last look; True if the policy was replaced."""
         seen = _signature(self.paths)
-        if seen == self._signature and seen is not None:
-            return False
+        if seen == self._signature and (seen is not None or self._gone):
+            return False  # unchanged (or still missing, which was reported once)
         if self.settle_s:
             self._sleep(self.settle_s)
             if _signature(self.paths) != seen:
@@ -137,6 +138,7 @@ class PolicyWatcher:
                 log.info("policy files changed while they were read; reading them again")
                 return False  # the next round reads the finished files
             self._signature = before
+            self._gone = False
             old = self._policy
             if policy.digest == old.digest:
                 return False
@@ -155,6 +157,7 @@ class PolicyWatcher:
     def _failed(self, problems: Iterable[object], seen: Signature | None) -> None:
         self.failures += 1
         self._signature = seen  # do not retry the same broken files every round
+        self._gone = seen is None  # nor report missing ones again until they are back
         listed = list(problems)
         log.error("policy reload failed, keeping %s: %d problem%s", self._policy.digest[:12],
                   len(listed), "" if len(listed) == 1 else "s")

@@ -19,6 +19,7 @@ function), ``SqliteQuotas`` (one ``BEGIN IMMEDIATE``), each with an asyncio twin
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ from toolguard.quotas.base import (
     Verdict,
 )
 from toolguard.quotas.charges import IN_FLIGHT_RETRY_S, Charge, charges, refusal, scope_name
+
+log = logging.getLogger("toolguard.quotas")
 
 __all__ = [
     "IN_FLIGHT_RETRY_S",
@@ -74,9 +77,39 @@ class _Held:
     def lease_ms(self) -> int:
         return max((c.ttl_ms for c in self.charges if c.kind == "in_flight"), default=0)
 
+    def lost(self, kept: Sequence[bool]) -> tuple[Charge, ...]:
+        """The in-flight charges whose slot ``renew`` found gone (``kept``: per fresh slot)."""
+        slots = [c for c, new in zip(self.charges, self.fresh, strict=True)
+                 if new and c.kind == "in_flight"]
+        return tuple(c for c, ok in zip(slots, kept, strict=True) if not ok)
+
+    def shared(self) -> tuple[Charge, ...]:
+        """The budget entries this admission found counted by another attempt of its intent."""
+        return tuple(c for c, new in zip(self.charges, self.fresh, strict=True)
+                     if not new and c.kind == "budget")
+
+
+def _retaken(verdict: Verdict, lost: Sequence[Charge]) -> None:
+    if isinstance(verdict, Refused):
+        log.warning("an in-flight slot expired while its call ran (lease too short, or the "
+                    "process was paused) and %s is full now: the call runs over the limit",
+                    lost[verdict.index].counter)
+
+
+def _redrawn(verdict: Verdict, shared: Sequence[Charge]) -> None:
+    if isinstance(verdict, Refused):
+        log.warning("an applied call's budget entry was refunded by another attempt of its "
+                    "intent, and %s is now full: it stays undercounted until its window ends",
+                    shared[verdict.index].counter)
+
 
 def _to_take_back(held: _Held, applied: bool) -> list[Entry]:
-    """In-flight slots always; budget entries when the call did not apply. Rates stay counted."""
+    """In-flight slots always; budget entries when the call did not apply. Rates stay counted.
+
+    A replay counts as applied: its entry may be the one another attempt of the
+    same intent, running at once, was admitted on (it found it counted), so
+    giving it back could leave an applied call drawn on nothing.
+    """
     return held.entries(("in_flight",) if applied else ("in_flight", "budget"))
 
 
@@ -94,20 +127,37 @@ class Admission:
     def finish(self, *, applied: bool) -> int:
         """Free the in-flight slots; if the call did not apply, refund its budget. Idempotent.
 
-        ``applied`` is True for an accepted call, and for an outcome that is
-        unknown (it may have applied: fail closed, keep the budget drawn).
+        ``applied`` is True for an accepted or replayed call, and for an outcome
+        that is unknown (it may have applied: fail closed, keep the budget drawn).
+        A budget entry this admission found counted by another attempt of the
+        intent (a retry while the first still ran) is drawn again when this one
+        applied: the other may have failed and been refunded meanwhile (one
+        more round trip, only for such a retry; a no-op when it is still there).
         """
         if self.held.done or self.backend is None:
             return 0
         self.held.done = True
-        return self.backend.release(_to_take_back(self.held, applied))
+        released = self.backend.release(_to_take_back(self.held, applied))
+        shared = self.held.shared() if applied else ()
+        if shared:  # another attempt counted them, and may have been refunded since: redraw
+            _redrawn(self.backend.admit(shared), shared)
+        return released
 
     def renew(self) -> bool:
-        """Extend the in-flight slots by their lease (a long call); False if one was lost."""
+        """Extend the in-flight slots by their lease (a long call); False if one was lost.
+
+        A slot lost while its call still runs (a renewal late past the lease, a
+        paused process) is taken again if it fits, so that the running call is
+        counted again; if it does not fit, the call runs over the limit (logged).
+        """
         entries = self.held.entries(("in_flight",))
         if self.backend is None or not entries or self.held.done:
             return True
-        return all(self.backend.renew(entries, self.held.lease_ms()))
+        kept = self.backend.renew(entries, self.held.lease_ms())
+        lost = self.held.lost(kept)
+        if lost:
+            _retaken(self.backend.admit(lost), lost)
+        return not lost
 
 
 @dataclass(slots=True)
@@ -125,13 +175,21 @@ class AsyncAdmission:
         if self.held.done or self.backend is None:
             return 0
         self.held.done = True
-        return await self.backend.release(_to_take_back(self.held, applied))
+        released = await self.backend.release(_to_take_back(self.held, applied))
+        shared = self.held.shared() if applied else ()
+        if shared:
+            _redrawn(await self.backend.admit(shared), shared)
+        return released
 
     async def renew(self) -> bool:
         entries = self.held.entries(("in_flight",))
         if self.backend is None or not entries or self.held.done:
             return True
-        return all(await self.backend.renew(entries, self.held.lease_ms()))
+        kept = await self.backend.renew(entries, self.held.lease_ms())
+        lost = self.held.lost(kept)
+        if lost:
+            _retaken(await self.backend.admit(lost), lost)
+        return not lost
 
 
 def _raise_refused(todo: Sequence[Charge], verdict: Refused, facts: CallFacts) -> None:

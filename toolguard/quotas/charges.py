@@ -62,9 +62,11 @@ def charges(rule: ToolPolicy, facts: CallFacts) -> tuple[Charge, ...]:
     A budget draws the sum of the values at its ``arg`` path (``items[*].price``
     sums every price); an absent or null value draws nothing. A negative or
     non-numeric amount is ``InvalidArguments``: a budget is never refilled by
-    a call.
+    a call. An amount over its limit alone (also one past float's range) is
+    ``BudgetExceeded`` here, before any backend sees it.
     """
     out: dict[str, Charge] = {}
+    never: Charge | None = None
     for quota in rule.quotas:
         cost = 1.0 if quota.budget is None else _amount(quota, facts.args)
         if cost == 0:
@@ -87,22 +89,31 @@ def charges(rule: ToolPolicy, facts: CallFacts) -> tuple[Charge, ...]:
             out[scope] = Charge(scope=scope, kind=quota.kind, limit=quota.limit, cost=cost,
                                 ttl_ms=max(1, math.ceil(quota.ttl_s * 1000)), entry=entry,
                                 rule=quota, counter=counter, where=where)
+            if cost > quota.limit and never is None:
+                never = out[scope]
+    if never is not None:  # over the limit alone (up to an infinite sum): no backend sees it
+        raise refusal(never, None, facts)
     return tuple(out[scope] for scope in sorted(out))
 
 
 def _amount(quota: QuotaRule, args: Any) -> float:
+    """The sum drawn; ``inf`` for one too large for a float (an int of 400 digits, 1e308 + 1e308)."""
     assert quota.arg is not None
     total = 0.0
     for where, value in quota.arg.resolve(args):
         if value is MISSING or value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or (
+                isinstance(value, float) and not math.isfinite(value)):
             msg = f"{where}: the budget of quota {quota.name or str(quota.arg)!r} needs a number"
             raise InvalidArguments(msg)
         if value < 0:
             msg = f"{where}: must be >= 0 (it is drawn from a budget)"
             raise InvalidArguments(msg)
-        total += float(value)
+        try:
+            total += float(value)
+        except OverflowError:  # an int past float's range: more than any budget
+            return math.inf
     return total
 
 

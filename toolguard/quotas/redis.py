@@ -9,10 +9,22 @@ on one slot: it is small, and atomic admission across counters needs it)::
 
 Both keys expire with their newest entry, so idle scopes cost no memory.
 Amounts are doubles: give budgets in integer units (cents) for exact sums.
+
+A server that lost its data (restarted without persistence, flushed) would
+count from zero: up to a whole extra budget per window. So the first admission
+on a server writes an epoch (``{tgq}:~epoch``, no expiry), each client
+remembers the one it saw, and an admission that finds another epoch than its
+client saw records the loss (``{tgq}:~lost``). From then on a charge is
+refused (``BackendUnavailable``) until its window (or lease) has passed since
+the loss: every entry the server forgot would have expired by then, so the
+counts are exact again. A process that first talks to the server after the
+loss, before any older one does, cannot tell: the loss is caught by the first
+older client's admission.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,20 +34,41 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from toolguard.errors import BackendUnavailable
+from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.quotas.base import Admitted, Entry, Refused, Verdict, check_charges
 from toolguard.quotas.charges import Charge
 
 __all__ = ["AsyncRedisQuotas", "RedisQuotas"]
 
-# Admit every charge or none. KEYS[2i-1], KEYS[2i]: charge i's zset and hash.
-# ARGV[4i-3 .. 4i]: charge i's limit, cost, ttl_ms, entry id.
-# Returns {0, fresh_1 .. fresh_n} (1: counted now, 0: counted before) or {i, retry_ms}
-# for the first charge that does not fit (retry_ms -1: its cost alone is over the limit).
+# Admit every charge or none. KEYS[2i-1], KEYS[2i]: charge i's zset and hash; the last two
+# KEYS: the epoch and the loss record. ARGV[4i-3 .. 4i]: charge i's limit, cost, ttl_ms, entry
+# id; the last ARGV: the epoch the client saw ('' for none yet).
+# Returns {0, epoch, fresh_1 .. fresh_n} (1: counted now, 0: counted before), {i, epoch,
+# retry_ms} for the first charge that does not fit (retry_ms -1: its cost alone is over the
+# limit), or {-1, epoch, wait_ms} while the server's counts since a loss of its data are short.
 ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local n = #KEYS / 2
+local ek, lk = KEYS[#KEYS - 1], KEYS[#KEYS]
+local seen = ARGV[#ARGV]
+local epoch = redis.call('GET', ek)
+if not epoch then
+  epoch = t[1] .. '.' .. t[2]
+  redis.call('SET', ek, epoch)
+end
+if seen ~= '' and seen ~= epoch and redis.call('HGET', lk, 'epoch') ~= epoch then
+  redis.call('HSET', lk, 'epoch', epoch, 'at', now)  -- the data this client counted on is gone
+end
+local n = (#KEYS - 2) / 2
+local lost_at = tonumber(redis.call('HGET', lk, 'at'))
+if lost_at then
+  local wait = 0
+  for i = 1, n do
+    local left = lost_at + tonumber(ARGV[4 * i - 1]) - now
+    if left > wait then wait = left end
+  end
+  if wait > 0 then return {-1, epoch, wait} end
+end
 local used, fresh = {}, {}
 for i = 1, n do
   local z, h = KEYS[2 * i - 1], KEYS[2 * i]
@@ -57,7 +90,7 @@ for i = 1, n do
     fresh[i] = 0
   else
     if u + cost > limit then
-      if cost > limit then return {i, -1} end
+      if cost > limit then return {i, epoch, -1} end
       -- walk the live entries, soonest to expire first, until enough would be freed
       local need, freed, start, retry = u + cost - limit, 0, 0, nil
       while not retry do
@@ -72,11 +105,11 @@ for i = 1, n do
         end
         start = start + 100
       end
-      if retry then return {i, retry} end
+      if retry then return {i, epoch, retry} end
       -- the sum was above what is there (a key evicted under memory pressure): repair it
       u = freed
       redis.call('HSET', h, '~used', string.format('%.17g', u))
-      if u + cost > limit then return {i, 1} end
+      if u + cost > limit then return {i, epoch, 1} end
     end
     fresh[i] = 1
   end
@@ -93,7 +126,7 @@ for i = 1, n do
     redis.call('PEXPIRE', h, ttl)
   end
 end
-return {0, unpack(fresh)}
+return {0, epoch, unpack(fresh)}
 """
 
 # Remove entries. KEYS[2i-1], KEYS[2i]: entry i's zset and hash; ARGV[i]: its id.
@@ -150,6 +183,7 @@ return string.format('%.17g', total)
 """
 
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+_PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 SOCKET_TIMEOUT_S = 5.0
 
 
@@ -161,7 +195,12 @@ class _Shared:
     name = "redis"
 
     def __init__(self, prefix: str = "tgq") -> None:
+        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+            msg = (f"a quota prefix is 1 to 64 of A-Za-z0-9_.:- (it is the keys' hash tag, so "
+                   f"every counter of a call is on one Cluster slot), got {prefix!r}")
+            raise ConfigurationError(msg)
         self.prefix = prefix
+        self.epoch = b""  # the server's epoch as this client last saw it (b"": not yet)
 
     def _keys(self, scope: str) -> tuple[bytes, bytes]:
         base = f"{{{self.prefix}}}:{scope}".encode()
@@ -175,17 +214,26 @@ class _Shared:
             keys.extend(self._keys(charge.scope))
             args += [_number(charge.limit), _number(charge.cost), b"%d" % charge.ttl_ms,
                      charge.entry.encode()]
+        base = f"{{{self.prefix}}}:".encode()
+        keys += [base + b"~epoch", base + b"~lost"]
+        args.append(self.epoch)
         return keys, args
 
     def _entry_keys(self, entries: Sequence[Entry]) -> list[bytes]:
         return [key for scope, _ in entries for key in self._keys(scope)]
 
-    @staticmethod
-    def _verdict(reply: Sequence[Any]) -> Verdict:
+    def _verdict(self, reply: Sequence[Any]) -> Verdict:
         head = int(reply[0])
+        epoch = reply[1]
+        self.epoch = epoch if isinstance(epoch, bytes) else str(epoch).encode()
         if head == 0:
-            return Admitted(tuple(bool(int(flag)) for flag in reply[1:]))
-        retry = int(reply[1])
+            return Admitted(tuple(bool(int(flag)) for flag in reply[2:]))
+        retry = int(reply[2])
+        if head < 0:
+            msg = (f"redis (quotas) lost its counters (restarted without persistence, or "
+                   f"flushed): calls with these quotas are refused for {retry / 1000:.3g}s more, "
+                   f"until every window running at the loss has passed")
+            raise BackendUnavailable(msg)
         return Refused(head - 1, None if retry < 0 else retry / 1000)
 
     @staticmethod

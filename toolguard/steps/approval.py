@@ -120,7 +120,8 @@ def _whose(resume: Resume, asked: ApprovalRequired, other: ApprovalRecord | None
     """Whom an answer is for: this call, a sibling's waiting request, or one decided already."""
     if resume.approval_id is None or resume.approval_id == asked.approval_id:
         return "mine"
-    if other is None or other.workflow != facts.workflow:
+    if other is None or facts.workflow is None or other.workflow != facts.workflow:
+        # no thread and no run: two such calls are not one workflow, whatever they share
         msg = (f"the resume value answers approval {resume.approval_id!r}, which is no request of "
                f"this workflow (this call waits for {asked.approval_id!r})")
         raise InvalidResume(msg)
@@ -148,6 +149,7 @@ def _ask(book: ApprovalBook, interrupt: Interrupt, asked: ApprovalRequired, fact
             return _mine(resume, asked)
         if whose == "theirs" and other is not None:
             with contextlib.suppress(IntentRejected, UnknownApproval):  # its own call will say
+                resume.check_tool(other)
                 book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
                             args=resume.args)
     raise _too_many(asked)
@@ -165,6 +167,7 @@ async def _aask(book: AsyncApprovalBook, interrupt: Interrupt, asked: ApprovalRe
             return _mine(resume, asked)
         if whose == "theirs" and other is not None:
             with contextlib.suppress(IntentRejected, UnknownApproval):
+                resume.check_tool(other)
                 await book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
                                   args=resume.args)
     raise _too_many(asked)

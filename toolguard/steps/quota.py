@@ -12,6 +12,13 @@ unknown (cancelled, interrupted) keeps its budget drawn: it may have applied.
 In ``mode: shadow`` a refusal is recorded as the would-be refusal and nothing
 is counted; after an earlier would-be refusal the step is skipped, as
 enforcement would not have reached it.
+
+A replay (the intent's key already applied, with the same arguments) is
+never refused by a quota: a refusal is looked up in the store (``store=``; a
+round trip only when refused), and a replay goes on, counted nothing, to
+return its recorded result. Within its window a replay finds its entry and is
+not counted again; after it, it is counted like a new call (fail closed: its
+entry cannot be told from one a running attempt of the same intent shares).
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from toolguard.errors import GuardMisconfigured, is_control_flow
+from toolguard._rows import arows, rows
+from toolguard.errors import GuardMisconfigured, QuotaExceeded, is_control_flow
 from toolguard.facts import CallFacts
 from toolguard.quotas import Admission, AsyncAdmission, AsyncQuotas, Quotas
 from toolguard.shadow import Enforcement
 from toolguard.steps.prepared import Prepared
+from toolguard.store.base import AsyncGuardedStore, GuardedStore
 
 __all__ = ["Held", "aadmit", "admit", "aheld", "held"]
 
@@ -39,6 +48,9 @@ _NO_BACKEND = ("tool {tool!r} has quotas, and this guard has no quota backend: g
                "ToolGuard a store (its server keeps the counters) or quotas=")
 #: Renew an in-flight slot when a third of its lease is left.
 _RENEW_FRACTION = 1 / 3
+#: Is this intent applied already, with these arguments (then the call is a replay)?
+_APPLIED = ("SELECT 1 FROM toolguard_intent WHERE idempotency_key = %s AND tool = %s "
+            "AND args_hash = %s AND status = 'applied'")
 
 
 @dataclass(slots=True)
@@ -48,12 +60,16 @@ class Held:
     applied: bool = False
 
 
+def _replay_params(facts: CallFacts) -> tuple[str, str, str]:
+    return facts.idempotency_key, facts.tool, facts.args_hash
+
+
 def _skip(prepared: Prepared, enforcement: Enforcement) -> bool:
     return not prepared.rule.quotas or enforcement.verdict is not None
 
 
 def admit(quotas: Quotas | None, prepared: Prepared, facts: CallFacts,
-          enforcement: Enforcement) -> Admission:
+          enforcement: Enforcement, *, store: GuardedStore | None = None) -> Admission:
     """Count the call (sync), or raise the quota's refusal; shadowed: record it, count nothing."""
     if _skip(prepared, enforcement):
         return Admission()
@@ -61,12 +77,17 @@ def admit(quotas: Quotas | None, prepared: Prepared, facts: CallFacts,
         raise GuardMisconfigured(_NO_BACKEND.format(tool=facts.tool))
     admission = Admission()  # shadow and refused: nothing was counted
     with enforcement.step("quotas"):
-        admission = quotas.admit(prepared.rule, facts)
+        try:
+            admission = quotas.admit(prepared.rule, facts)
+        except QuotaExceeded:
+            if store is None or not rows(store, _APPLIED, _replay_params(facts)):
+                raise  # not a replay: refused
     return admission
 
 
 async def aadmit(quotas: AsyncQuotas | None, prepared: Prepared, facts: CallFacts,
-                 enforcement: Enforcement) -> AsyncAdmission:
+                 enforcement: Enforcement, *,
+                 store: AsyncGuardedStore | None = None) -> AsyncAdmission:
     """The asyncio twin of ``admit``."""
     if _skip(prepared, enforcement):
         return AsyncAdmission()
@@ -74,7 +95,11 @@ async def aadmit(quotas: AsyncQuotas | None, prepared: Prepared, facts: CallFact
         raise GuardMisconfigured(_NO_BACKEND.format(tool=facts.tool))
     admission = AsyncAdmission()
     with enforcement.step("quotas"):
-        admission = await quotas.admit(prepared.rule, facts)
+        try:
+            admission = await quotas.admit(prepared.rule, facts)
+        except QuotaExceeded:
+            if store is None or not await arows(store, _APPLIED, _replay_params(facts)):
+                raise
     return admission
 
 
