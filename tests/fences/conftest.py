@@ -29,8 +29,10 @@ TESTS = Path(__file__).resolve().parents[1]
 class ServiceProcess:
     """One uvicorn process serving ``factory``; ``kill()`` and ``start()`` to restart it."""
 
-    def __init__(self, factory: str, store_url: str, schema: str | None, port: int) -> None:
+    def __init__(self, factory: str, store_url: str, schema: str | None, port: int,
+                 env: dict[str, str] | None = None) -> None:
         self.factory = factory
+        self.env = env or {}
         self.store_url = store_url
         self.schema = schema
         self.port = port
@@ -42,7 +44,7 @@ class ServiceProcess:
 
     def start(self, timeout_s: float = 30.0) -> ServiceProcess:
         env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "FENCES_STORE_URL": self.store_url, "FENCES_SCHEMA": self.schema or ""}
+               "FENCES_STORE_URL": self.store_url, "FENCES_SCHEMA": self.schema or "", **self.env}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", self.factory, "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", "--no-access-log"],

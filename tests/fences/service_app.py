@@ -2,7 +2,8 @@
 
 Started by ``uvicorn --factory fences.service_app:create_app`` (or ``create_mcp_app``)
 in a process of its own, configured by environment variables:
-``FENCES_STORE_URL`` (the service's store), ``FENCES_SCHEMA`` (a PostgreSQL schema).
+``FENCES_STORE_URL`` (the service's store), ``FENCES_SCHEMA`` (a PostgreSQL schema),
+``FENCES_POOL`` (optional: ``max_size,timeout_s`` of a PostgreSQL store's pool).
 The handlers read and write ``leads`` only through the fenced transaction.
 """
 
@@ -33,6 +34,14 @@ def _options() -> tuple[str, dict[str, Any]]:
     url = os.environ["FENCES_STORE_URL"]
     schema = os.environ.get("FENCES_SCHEMA")
     return url, ({"schema": schema} if schema and url.startswith("postgres") else {})
+
+
+def _pool_options(url: str) -> dict[str, Any]:
+    pool = os.environ.get("FENCES_POOL")
+    if not pool or not url.startswith("postgres"):
+        return {}
+    size, timeout = pool.split(",")
+    return {"max_size": int(size), "timeout_s": float(timeout)}
 
 
 def prepare() -> None:
@@ -66,6 +75,13 @@ async def add_score(request: Request) -> JSONResponse:
     return JSONResponse({"lead": lead, "score": score})
 
 
+async def note(request: Request) -> JSONResponse:
+    """Stores the raw body's length as the lead's score: whatever bytes arrived."""
+    body = await request.body()
+    await fence_of(request).tx.execute(UPSERT, (request.path_params["lead"], len(body)))
+    return JSONResponse({"bytes": len(body)})
+
+
 async def broken(request: Request) -> JSONResponse:
     """Writes, then answers 404: the write must be rolled back."""
     await fence_of(request).tx.execute(UPSERT, (request.path_params["lead"], -1))
@@ -95,7 +111,7 @@ async def health(request: Request) -> PlainTextResponse:
 def create_app() -> Starlette:
     prepare()
     url, options = _options()
-    store = open_async_store(url, **options)
+    store = open_async_store(url, **options, **_pool_options(url))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -105,6 +121,7 @@ def create_app() -> Starlette:
     routes = [Route("/leads/{lead}/score", set_score, methods=["POST"]),
               Route("/leads/{lead}/add", add_score, methods=["POST"]),
               Route("/leads/{lead}/broken", broken, methods=["POST"]),
+              Route("/leads/{lead}/note", note, methods=["POST"]),
               Route("/leads/{lead}", read_lead, methods=["GET"]),
               Route("/noop", noop, methods=["POST"]),
               Route("/write", write_one, methods=["POST"]),

@@ -130,11 +130,10 @@ class FenceMiddleware:
                                              fences=fences)
             await _send_problem(send, refused.problem)
             return
-        body = await _read_body(receive, self.max_body_bytes)
-        if body is None:
-            msg = f"the request body is larger than {self.max_body_bytes} bytes"
-            refused = await self.gate.refuse(ToolGuardError(msg, reason="request_too_large"),
-                                             tool=tool, fences=fences)
+        try:
+            body = await _read_body(receive, self.max_body_bytes)
+        except ToolGuardError as error:  # too large, or cut off by a disconnect
+            refused = await self.gate.refuse(error, tool=tool, fences=fences)
             await _send_problem(send, refused.problem)
             return
         headers = dict(scope.get("headers") or ())
@@ -237,22 +236,25 @@ def _missing(scope: Scope, fences: Fences) -> tuple[str, ...]:
     return tuple(missing)
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None past ``limit`` bytes."""
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body; ``ToolGuardError`` past ``limit`` bytes or if the client left
+    before sending all of it (a cut-off body is never handed to the app)."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            msg = (f"the client disconnected after {size} byte(s) of the request body, "
+                   f"before its end: nothing was run")
+            raise ToolGuardError(msg, reason="request_incomplete")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            return None
+            msg = f"the request body is larger than {limit} bytes"
+            raise ToolGuardError(msg, reason="request_too_large")
         chunks.append(chunk)
         if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+            return b"".join(chunks)
 
 
 def _replay_body(body: bytes, receive: Receive) -> Receive:

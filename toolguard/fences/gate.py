@@ -23,6 +23,7 @@ before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
@@ -157,7 +158,11 @@ class FenceGate:
         key = fences.idempotency_key
         if key is None:
             return await self._fenced(fences, tool, digest, handler)
-        async with self.inflight.hold(key) as held:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                held = await stack.enter_async_context(self.inflight.hold(key))
+            except ToolGuardError as error:  # the marker's store is down: 503, audited if it can
+                return await self.refuse(error, tool=tool, fences=fences)
             if not held:
                 msg = f"a request with idempotency key {key!r} is still in flight; retry later"
                 return await self.refuse(InFlight(msg, idempotency_key=key), tool=tool,

@@ -16,6 +16,7 @@ stale_fencing_token   409     -32072      the service has seen a newer token for
 in_flight             409     -32073      a request with this idempotency key is still running
 idempotency_conflict  422     -32074      the key was used for another request
 request_too_large     413     -32602      the request body is over the middleware's bound
+request_incomplete    400     -32602      the client left before the end of the request body
 backend_unavailable   503     -32075      the service's fence store cannot be reached
 store_error           500     -32076      the fence store refused (schema missing, ...)
 ====================  ======  ==========  ===============================================
@@ -59,6 +60,7 @@ _STATUS: Mapping[str, tuple[int, str]] = {
     "in_flight": (409, "Request still in flight"),
     "idempotency_conflict": (422, "Idempotency key reused"),
     "request_too_large": (413, "Request too large"),
+    "request_incomplete": (400, "Incomplete request"),
     "backend_unavailable": (503, "Fence store unavailable"),
     "store_error": (500, "Fence store error"),
 }
@@ -73,6 +75,7 @@ MCP_CODES: Mapping[str, int] = {
     "in_flight": -32073,
     "idempotency_conflict": -32074,
     "request_too_large": -32602,
+    "request_incomplete": -32602,
     "backend_unavailable": -32075,
     "store_error": -32076,
 }

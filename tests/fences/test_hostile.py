@@ -1,0 +1,90 @@
+"""Attacks and faults on fenced services: hostile envelopes, broken clients, a loaded pool.
+
+Each test runs the service in a process of its own (``conftest.py``) and checks
+what its store holds afterwards: nothing applied, exactly one audit row per
+decision, the class of answer the same over REST and MCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastmcp import Client
+from mcp.shared.exceptions import MCPError
+
+from toolguard.fences.wire import Fences
+from toolguard.store import GuardedStore, open_store
+
+from .conftest import ServiceProcess, drop_schema, leads
+
+
+def fenced(tokens: dict[str, int], key: str | None = "k#1") -> dict[str, str]:
+    return Fences(tokens=tokens, idempotency_key=key).headers()
+
+
+def audit(store: GuardedStore) -> list:
+    return store.query_audit(newest_first=False, limit=None)
+
+
+def wait_for_audit(store: GuardedStore, rows: int, within_s: float = 20.0) -> list:
+    """The audit rows once there are ``rows`` of them (the service decides asynchronously)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        found = audit(store)
+        if len(found) >= rows or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def small_pool_service(postgres_url, unique) -> Iterator[ServiceProcess]:
+    """The REST service on PostgreSQL with a pool of 4 connections (3 s timeout)."""
+    from servers import free_port
+
+    schema = f"svc_{unique}"
+    process = ServiceProcess("fences.service_app:create_app", postgres_url, schema, free_port(),
+                             env={"FENCES_POOL": "4,3"})
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+        drop_schema(postgres_url, schema)
+
+
+def test_more_concurrent_keys_than_the_pool_has_connections_all_apply(small_pool_service):
+    """Each fenced request holds an in-flight marker; it must never starve its own transaction."""
+    service = small_pool_service
+    body = {"score": 1, "sleep": 0.5}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=service.url, timeout=60) as client:
+            return await asyncio.gather(*[
+                client.post(f"/leads/p{i}/score", json=body,
+                            headers=fenced({f"lead:p{i}": 1}, f"p{i}#1")) for i in range(6)])
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [201] * 6, [r.text for r in responses]
+    with open_store(service.store_url, schema=service.schema) as store:
+        assert {lead: row for lead, row in leads(store).items()} == {
+            f"p{i}": (1, 1) for i in range(6)}
+        assert [r.reason for r in audit(store)] == ["applied"] * 6
+
+
+def test_a_body_cut_off_by_a_disconnect_is_never_applied(service, service_store):
+    """The client promised 100 bytes, sent 10 and hung up: the handler must not see 10."""
+    host, port = service.url.removeprefix("http://").split(":")
+    head = ("POST /leads/cut/note HTTP/1.1\r\nHost: svc\r\nContent-Type: text/plain\r\n"
+            "Content-Length: 100\r\nFencing-Token: lead%3Acut=3\r\n"
+            'Idempotency-Key: "cut#1"\r\n\r\n')
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode("ascii") + b"0123456789")
+        time.sleep(0.3)  # let the service start reading the body before the hang-up
+    rows = wait_for_audit(service_store, 1)
+    assert "cut" not in leads(service_store)
+    assert service_store.high_water("lead:cut") == 0
+    assert [(r.decision, r.reason) for r in rows] == [("rejected", "request_incomplete")]
