@@ -124,6 +124,14 @@ def service_store(service: ServiceProcess) -> Iterator[GuardedStore]:
         yield store
 
 
+@pytest.fixture
+def mcp_store(mcp_service: ServiceProcess) -> Iterator[GuardedStore]:
+    """The running MCP server's store."""
+    options = {"schema": mcp_service.schema} if mcp_service.schema else {}
+    with open_store(mcp_service.store_url, **options) as store:
+        yield store
+
+
 def leads(store: GuardedStore) -> dict[str, tuple[int, int]]:
     with store.connection() as conn:
         rows = conn.execute("SELECT id, score, writes FROM leads").fetchall()

@@ -88,3 +88,31 @@ def test_a_body_cut_off_by_a_disconnect_is_never_applied(service, service_store)
     assert "cut" not in leads(service_store)
     assert service_store.high_water("lead:cut") == 0
     assert [(r.decision, r.reason) for r in rows] == [("rejected", "request_incomplete")]
+
+
+def mcp_meta(tokens: dict[str, int], key: str = "k#1") -> dict[str, str]:
+    return Fences(tokens=tokens, idempotency_key=key, agent="raw", intent_id="c").meta()
+
+
+async def mcp_call(url: str, name: str, args: dict, **kwargs):
+    async with Client(url + "/mcp") as client:
+        return await client.call_tool(name, args, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["set\x00score", "set\x1bscore", "x" * 5000, "nope"])
+@pytest.mark.parametrize("with_fences", [True, False])
+def test_a_hostile_or_unknown_tool_name_is_refused_with_one_audit_row(mcp_service, mcp_store,
+                                                                      name, with_fences):
+    sent = mcp_meta({"lead:h": 4}, "h#1") if with_fences else None
+    with pytest.raises(Exception) as raised:
+        asyncio.run(mcp_call(mcp_service.url, name, {"lead_id": "h", "score": 1}, meta=sent))
+    if with_fences:  # fenced, then the tool is not found: rolled back, audited failed
+        assert "unknown tool" in str(raised.value).lower(), raised.value
+    else:
+        assert isinstance(raised.value, MCPError)
+        assert raised.value.error.data["reason"] == "fences_required"
+    assert leads(mcp_store) == {}
+    assert mcp_store.high_water("lead:h") == 0
+    (row,) = audit(mcp_store)
+    assert row.decision in ("rejected", "failed")
+    assert row.tool is not None and "\x00" not in row.tool and len(row.tool) <= 200

@@ -13,16 +13,8 @@ from toolguard.adapters import guarded
 from toolguard.fences import FencedSession, guarded_mcp_tools
 from toolguard.fences.mcp_server import REPLAYED_META_KEY
 from toolguard.fences.wire import Fences
-from toolguard.store import open_store
 
 from .conftest import leads, make_guard
-
-
-@pytest.fixture
-def mcp_store(mcp_service):
-    options = {"schema": mcp_service.schema} if mcp_service.schema else {}
-    with open_store(mcp_service.store_url, **options) as store:
-        yield store
 
 
 def meta(tokens: dict[str, int], key: str | None = "k#1") -> dict[str, str]:

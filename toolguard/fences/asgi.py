@@ -48,6 +48,7 @@ from toolguard.fences.gate import (
     Refused,
     Replayed,
     ServiceFence,
+    audit_name,
 )
 from toolguard.fences.inflight import InFlightRegistry
 from toolguard.fences.problems import CONTENT_TYPE, FencesRequired, Problem
@@ -276,5 +277,4 @@ def _tool(scope: Scope) -> str:
     raw = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "replace")
     path = raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
     text = f"{scope.get('method', '?')} {path}"
-    text = "".join(c if " " <= c <= "~" else "\ufffd" for c in text)
-    return text[:200]
+    return audit_name("".join(c if " " <= c <= "~" else "\ufffd" for c in text))

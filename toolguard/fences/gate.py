@@ -45,6 +45,7 @@ __all__ = [
     "Refused",
     "Replayed",
     "ServiceFence",
+    "audit_name",
     "current_fence",
 ]
 
@@ -83,6 +84,18 @@ class ServiceFence:
     @property
     def intent_id(self) -> str | None:
         return self.fences.intent_id
+
+
+def audit_name(text: str, *, limit: int = 200) -> str:
+    """A request's name (``METHOD /path``, an MCP tool) as every store can audit it.
+
+    Printable and bounded: control characters (NUL included) and lone surrogates
+    become U+FFFD, and the text is cut at ``limit`` characters. The request's
+    digest keeps the exact name, so two names alike here never replay each other.
+    """
+    shown = "".join("\ufffd" if c < " " or c == "\x7f" or "\ud800" <= c <= "\udfff" else c
+                    for c in text[:limit])
+    return shown or "\ufffd"
 
 
 _current: ContextVar[ServiceFence | None] = ContextVar("toolguard_service_fence", default=None)

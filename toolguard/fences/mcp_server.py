@@ -33,7 +33,16 @@ from fastmcp.tools.base import ToolResult
 from mcp.shared.exceptions import MCPError
 from pydantic import TypeAdapter
 
-from toolguard.fences.gate import Answer, Applied, Declined, FenceGate, Outcome, Refused, ServiceFence
+from toolguard.fences.gate import (
+    Answer,
+    Applied,
+    Declined,
+    FenceGate,
+    Outcome,
+    Refused,
+    ServiceFence,
+    audit_name,
+)
 from toolguard.fences.inflight import InFlightRegistry
 from toolguard.fences.problems import FencesRequired, Problem
 from toolguard.fences.wire import (
@@ -71,12 +80,12 @@ class FenceToolMiddleware(Middleware):
     async def on_call_tool(self, context: MiddlewareContext[mcp_types.CallToolRequestParams],
                            call_next: CallNext[mcp_types.CallToolRequestParams, ToolResult]
                            ) -> ToolResult:
-        name = context.message.name
+        name = audit_name(context.message.name)  # the exact name is in the digest below
         try:
             fences = parse_meta(_request_meta(context))
         except WireError as error:
             raise _mcp_error((await self.gate.refuse(error, tool=name)).problem) from None
-        if not fences.present and not self.require(name):
+        if not fences.present and not self.require(context.message.name):
             return await call_next(context)
         missing = tuple(META_KEYS[h] for h, v in ((FENCING_TOKEN_HEADER, fences.tokens),
                                                   (IDEMPOTENCY_KEY_HEADER, fences.idempotency_key))
@@ -92,7 +101,7 @@ class FenceToolMiddleware(Middleware):
             refused = await self.gate.refuse(WireError(f"arguments are not JSON: {error}",
                                                        field="arguments"), tool=name, fences=fences)
             raise _mcp_error(refused.problem) from None
-        digest = request_digest("tools/call", name, arguments)
+        digest = request_digest("tools/call", context.message.name, arguments)
 
         async def serve(_: ServiceFence) -> Answer:
             result = await call_next(context)
