@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ META_KEYS: Mapping[str, str] = {
     AGENT_HEADER: "toolguard/agent",
     INTENT_HEADER: "toolguard/intent",
 }
+_META_PREFIX = "toolguard/"
 _HEADER_NAMES = {name.lower().encode("ascii"): name for name in META_KEYS}
 
 #: Bounds that keep a hostile header from costing memory or CPU (each field, encoded).
@@ -389,9 +391,29 @@ def parse_headers(raw: Iterable[tuple[bytes, bytes]]) -> Fences:
 
 
 def parse_meta(meta: Mapping[str, Any] | None) -> Fences:
-    """The fence fields of an MCP request's ``_meta`` (other keys are ignored)."""
-    if not meta:
+    """The fence fields of an MCP request's ``_meta`` (keys outside ``toolguard/`` are ignored).
+
+    A key in the ``toolguard/`` namespace that is not one of ``META_KEYS``, matched
+    case-insensitively and after Unicode compatibility folding (``Toolguard/Fencing-Token``,
+    a full-width letter, a trailing space), is refused: it is a fence the sender meant
+    to send, and the exact key may carry another value beside it.
+    """
+    if meta is None:
         return Fences()
+    if not isinstance(meta, Mapping):
+        msg = f"expected an object, got {type(meta).__name__}"
+        raise WireError(msg, field="_meta")
+    known = set(META_KEYS.values())
+    for name in meta:
+        if not isinstance(name, str) or name in known:
+            continue
+        folded = unicodedata.normalize("NFKC", name).casefold().strip()
+        if folded.startswith(_META_PREFIX):
+            closest = next((k for k in known if k == folded), None)
+            hint = f" (the key is {closest!r}, exactly)" if closest else ""
+            msg = f"not a toolguard _meta key{hint}: toolguard sends only {sorted(known)}"
+            raise WireError(msg, field=name if name.isprintable() and len(name) <= 100
+                            else _shown(name))
     values: dict[str, str] = {}
     for name, key in META_KEYS.items():
         if key not in meta:
