@@ -390,7 +390,7 @@ def parse_headers(raw: Iterable[tuple[bytes, bytes]]) -> Fences:
     return _fences(seen, text=decode_text)
 
 
-def parse_meta(meta: Mapping[str, Any] | None) -> Fences:
+def parse_meta(meta: object) -> Fences:
     """The fence fields of an MCP request's ``_meta`` (keys outside ``toolguard/`` are ignored).
 
     A key in the ``toolguard/`` namespace that is not one of ``META_KEYS``, matched
