@@ -38,7 +38,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from toolguard.errors import ToolGuardError
+from toolguard.errors import GuardMisconfigured, ToolGuardError
 from toolguard.fences.gate import (
     Answer,
     Applied,
@@ -107,11 +107,22 @@ class FenceMiddleware:
                  inflight: InFlightRegistry | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
-        self.gate = FenceGate(store, inflight=inflight)
+        self.gate = FenceGate(store, inflight=inflight, where="FenceMiddleware")
+        given: object = require  # untyped callers may pass anything
+        if not callable(given):
+            msg = f"FenceMiddleware: require must be a function of the ASGI scope, got {require!r}"
+            raise GuardMisconfigured(msg)
+        if (not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool)
+                or max_body_bytes < 0):
+            msg = f"FenceMiddleware: max_body_bytes must be an int >= 0, got {max_body_bytes!r}"
+            raise GuardMisconfigured(msg)
         self.require = require
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -144,6 +155,26 @@ class FenceMiddleware:
         outcome = await self.gate.run(fences, tool=tool, digest=digest,
                                       handler=self._handler(scope, receive, body))
         await _send_outcome(send, outcome)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """At startup, a store whose schema is behind fails the startup, naming the fix."""
+        message = await receive()
+        if message.get("type") == "lifespan.startup":
+            try:
+                await self.gate.check_store()
+            except GuardMisconfigured as error:
+                await send({"type": "lifespan.startup.failed", "message": str(error)})
+                return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     def _handler(self, scope: Scope, receive: Receive,
                  body: bytes) -> Callable[[ServiceFence], Awaitable[Answer]]:

@@ -33,6 +33,7 @@ from fastmcp.tools.base import ToolResult
 from mcp.shared.exceptions import MCPError
 from pydantic import TypeAdapter
 
+from toolguard.errors import GuardMisconfigured
 from toolguard.fences.gate import (
     Answer,
     Applied,
@@ -74,7 +75,11 @@ class FenceToolMiddleware(Middleware):
 
     def __init__(self, *, store: Any, require: Callable[[str], bool] = _every_tool,
                  inflight: InFlightRegistry | None = None) -> None:
-        self.gate = FenceGate(store, inflight=inflight)
+        self.gate = FenceGate(store, inflight=inflight, where="FenceToolMiddleware")
+        given: object = require  # untyped callers may pass anything
+        if not callable(given):
+            msg = f"FenceToolMiddleware: require must be a function of the tool name, got {require!r}"
+            raise GuardMisconfigured(msg)
         self.require = require
 
     async def on_call_tool(self, context: MiddlewareContext[mcp_types.CallToolRequestParams],
