@@ -148,10 +148,8 @@ class FenceMiddleware:
             refused = await self.gate.refuse(error, tool=tool, fences=fences)
             await _send_problem(send, refused.problem)
             return
-        headers = dict(scope.get("headers") or ())
         digest = request_digest(scope.get("method", ""), scope.get("raw_path") or scope["path"],
-                                scope.get("query_string", b""), headers.get(b"content-type", b""),
-                                body)
+                                scope.get("query_string", b""), _body_headers(scope), body)
         outcome = await self.gate.run(fences, tool=tool, digest=digest,
                                       handler=self._handler(scope, receive, body))
         await _send_outcome(send, outcome)
@@ -266,6 +264,17 @@ def _missing(scope: Scope, fences: Fences) -> tuple[str, ...]:
     if fences.idempotency_key is None and scope.get("method", "GET") not in SAFE_METHODS:
         missing.append(IDEMPOTENCY_KEY_HEADER)
     return tuple(missing)
+
+
+#: Headers that say how the body is read: every line of each is part of the request's digest.
+_BODY_HEADERS = (b"content-type", b"content-encoding")
+
+
+def _body_headers(scope: Scope) -> str:
+    """Every line of the body's headers, in order (an app may read the first or the last)."""
+    lines = [[bytes(k).lower().decode("latin-1"), bytes(v).decode("latin-1")]
+             for k, v in scope.get("headers") or () if bytes(k).lower() in _BODY_HEADERS]
+    return json.dumps(lines, separators=(",", ":"))
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
