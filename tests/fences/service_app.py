@@ -3,7 +3,8 @@
 Started by ``uvicorn --factory fences.service_app:create_app`` (or ``create_mcp_app``)
 in a process of its own, configured by environment variables:
 ``FENCES_STORE_URL`` (the service's store), ``FENCES_SCHEMA`` (a PostgreSQL schema),
-``FENCES_POOL`` (optional: ``max_size,timeout_s`` of a PostgreSQL store's pool).
+``FENCES_POOL`` (optional: ``max_size,timeout_s`` of a PostgreSQL store's pool; on
+SQLite the timeout is the busy timeout).
 The handlers read and write ``leads`` only through the fenced transaction.
 """
 
@@ -38,9 +39,11 @@ def _options() -> tuple[str, dict[str, Any]]:
 
 def _pool_options(url: str) -> dict[str, Any]:
     pool = os.environ.get("FENCES_POOL")
-    if not pool or not url.startswith("postgres"):
+    if not pool:
         return {}
     size, timeout = pool.split(",")
+    if not url.startswith("postgres"):
+        return {"busy_timeout_ms": int(float(timeout) * 1000)}
     return {"max_size": int(size), "timeout_s": float(timeout)}
 
 

@@ -116,3 +116,69 @@ def test_a_hostile_or_unknown_tool_name_is_refused_with_one_audit_row(mcp_servic
     (row,) = audit(mcp_store)
     assert row.decision in ("rejected", "failed")
     assert row.tool is not None and "\x00" not in row.tool and len(row.tool) <= 200
+
+
+def test_the_services_postgresql_restarted_is_a_503_then_fences_and_records_hold(
+        private_postgres, unique):
+    """While the store is down every request is a 503 problem, and nothing is applied;
+    after the restart the recorded answer replays and the fence still refuses older tokens."""
+    from servers import free_port
+
+    schema = f"svc_{unique}"
+    service = ServiceProcess("fences.service_app:create_app", private_postgres.url, schema,
+                             free_port(), env={"FENCES_POOL": "4,2"}).start()
+    try:
+        post = lambda score, token, key: httpx.post(  # noqa: E731
+            service.url + "/leads/d/score", json={"score": score}, timeout=30,
+            headers=fenced({"lead:d": token}, key))
+        first = post(1, 10, "d#1")
+        assert first.status_code == 201
+        private_postgres.stop()
+        down = post(2, 11, "d#2")
+        assert down.status_code == 503, down.text
+        assert down.headers["content-type"] == "application/problem+json"
+        assert down.json()["reason"] == "backend_unavailable"
+        private_postgres.start()
+        again = post(1, 10, "d#1")
+        assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+        assert again.content == first.content
+        stale = post(3, 9, "d#3")
+        assert (stale.status_code, stale.json()["current"]) == (409, 10)
+        retried = post(2, 11, "d#2")  # the request refused while the store was down, sent again
+        assert retried.status_code == 201 and retried.json()["writes"] == 2
+        with open_store(private_postgres.url, schema=schema) as store:
+            assert leads(store) == {"d": (2, 2)}
+            assert [r.reason for r in audit(store)] == ["applied", "duplicate",
+                                                        "stale_fencing_token", "applied"]
+    finally:
+        service.stop()
+
+
+def test_a_locked_sqlite_store_is_a_503_and_nothing_is_applied(tmp_path):
+    """Another process holds the service's SQLite file locked past the busy timeout."""
+    import sqlite3
+
+    from servers import free_port
+
+    url = f"sqlite:///{tmp_path}/service.db"
+    service = ServiceProcess("fences.service_app:create_app", url, None, free_port(),
+                             env={"FENCES_POOL": "1,0.5"}).start()
+    try:
+        blocker = sqlite3.connect(tmp_path / "service.db", isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")
+        try:
+            locked = httpx.post(service.url + "/leads/l/score", json={"score": 1}, timeout=30,
+                                headers=fenced({"lead:l": 4}, "l#1"))
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert locked.status_code == 503, locked.text
+        assert locked.json()["reason"] == "backend_unavailable"
+        retry = httpx.post(service.url + "/leads/l/score", json={"score": 1}, timeout=30,
+                           headers=fenced({"lead:l": 4}, "l#1"))
+        assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+        with open_store(url) as store:
+            assert leads(store) == {"l": (1, 1)}
+            assert store.high_water("lead:l") == 4
+    finally:
+        service.stop()
