@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from pg_server import private_postgres  # noqa: F401  (fixture for the store-restart tests)
 from psycopg import sql
 
-from pg_server import private_postgres  # noqa: F401  (fixture for the store-restart tests)
 from toolguard.store import GuardedStore, open_store
 
 TESTS = Path(__file__).resolve().parents[1]
