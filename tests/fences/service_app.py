@@ -55,8 +55,10 @@ def prepare() -> None:
 
 
 async def set_score(request: Request) -> JSONResponse:
-    tx = fence_of(request).tx
+    fence = fence_of(request)
     lead = request.path_params["lead"]
+    fence.require(f"lead:{lead}")  # what this handler writes must be fenced by the request
+    tx = fence.tx
     body = await request.json()
     delay = float(body.get("sleep", 0))
     row = await (await tx.execute("SELECT score, writes FROM leads WHERE id = %s", (lead,))).fetchone()
@@ -69,8 +71,10 @@ async def set_score(request: Request) -> JSONResponse:
 
 async def add_score(request: Request) -> JSONResponse:
     """Read-modify-write: the read happens inside the fence, so no update is ever lost."""
-    tx = fence_of(request).tx
+    fence = fence_of(request)
     lead = request.path_params["lead"]
+    fence.require(f"lead:{lead}")
+    tx = fence.tx
     delta = int((await request.json())["delta"])
     row = await (await tx.execute("SELECT score FROM leads WHERE id = %s", (lead,))).fetchone()
     score = (row[0] if row else 0) + delta
@@ -149,6 +153,7 @@ def create_mcp_app() -> Any:
     @mcp.tool
     async def set_score(lead_id: str, score: int, sleep: float = 0) -> dict:
         """Set a lead's score; returns the old one."""
+        current_fence().require(f"lead:{lead_id}")
         tx = current_fence().tx
         row = await (await tx.execute("SELECT score, writes FROM leads WHERE id = %s",
                                       (lead_id,))).fetchone()

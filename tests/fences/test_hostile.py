@@ -182,3 +182,30 @@ def test_a_locked_sqlite_store_is_a_503_and_nothing_is_applied(tmp_path):
             assert store.high_water("lead:l") == 4
     finally:
         service.stop()
+
+
+def test_a_rest_request_fenced_on_another_key_is_refused_and_rolled_back(service,
+                                                                         service_store):
+    """A lease on lead:other proves nothing about lead:w: the handler's require() refuses."""
+    response = httpx.post(service.url + "/leads/w/score", json={"score": 1},
+                          headers=fenced({"lead:other": 7}, "w#1"))
+    assert response.status_code == 428, response.text
+    problem = response.json()
+    assert (problem["reason"], problem["keys"]) == ("key_not_fenced", ["lead:w"])
+    assert leads(service_store) == {}
+    assert service_store.high_water("lead:other") == 0   # its fence advance rolled back too
+    assert [(r.decision, r.reason) for r in audit(service_store)] == [
+        ("rejected", "key_not_fenced")]
+
+
+def test_an_mcp_call_fenced_on_another_key_is_refused_as_rest_refuses_it(mcp_service, mcp_store):
+    with pytest.raises(MCPError) as raised:
+        asyncio.run(mcp_call(mcp_service.url, "set_score", {"lead_id": "w", "score": 1},
+                             meta=mcp_meta({"lead:other": 7}, "w#1")))
+    error = raised.value.error
+    assert (error.code, error.data["reason"], error.data["keys"]) == (
+        -32077, "key_not_fenced", ["lead:w"])
+    assert error.data["status"] == 428
+    assert leads(mcp_store) == {}
+    assert mcp_store.high_water("lead:other") == 0
+    assert [(r.decision, r.reason) for r in audit(mcp_store)] == [("rejected", "key_not_fenced")]

@@ -33,7 +33,7 @@ from typing import Any
 
 from toolguard.errors import DuplicateIntent, GuardMisconfigured, ToolGuardError
 from toolguard.fences.inflight import InFlightRegistry, default_registry
-from toolguard.fences.problems import InFlight, Problem, problem_from_error
+from toolguard.fences.problems import InFlight, KeyNotFenced, Problem, problem_from_error
 from toolguard.fences.wire import Fences
 from toolguard.store import AsyncFencedTransaction, AsyncGuardedStore, AuditEntry, IntentRecord
 from toolguard.store.base import latest_version
@@ -86,6 +86,21 @@ class ServiceFence:
     @property
     def intent_id(self) -> str | None:
         return self.fences.intent_id
+
+    def require(self, *keys: str) -> None:
+        """Raise ``KeyNotFenced`` unless the request carries a fence for every one of ``keys``.
+
+        Call it with the lock keys of what the handler is about to write
+        (``fence.require(f"lead:{lead_id}")``): a request fenced on some other key
+        proves nothing about this resource. The request is rolled back, its fence
+        advances too, and answered ``428`` (MCP ``-32077``) naming the keys.
+        """
+        missing = tuple(sorted({key for key in keys if key not in self.fences.tokens}))
+        if missing:
+            held = ", ".join(sorted(self.fences.tokens)) or "none"
+            msg = (f"{self.tool} writes {', '.join(missing)}, and the request carries no fencing "
+                   f"token for it (it holds: {held}): lock it in the caller's policy")
+            raise KeyNotFenced(msg, keys=missing)
 
 
 def audit_name(text: str, *, limit: int = 200) -> str:

@@ -45,7 +45,7 @@ from toolguard.fences.gate import (
     audit_name,
 )
 from toolguard.fences.inflight import InFlightRegistry
-from toolguard.fences.problems import FencesRequired, Problem
+from toolguard.fences.problems import FencesRequired, KeyNotFenced, Problem
 from toolguard.fences.wire import (
     FENCING_TOKEN_HEADER,
     IDEMPOTENCY_KEY_HEADER,
@@ -109,12 +109,28 @@ class FenceToolMiddleware(Middleware):
         digest = request_digest("tools/call", context.message.name, arguments)
 
         async def serve(_: ServiceFence) -> Answer:
-            result = await call_next(context)
+            try:
+                result = await call_next(context)
+            except Exception as error:  # FastMCP wraps the tool's exception in a ToolError
+                refusal = _key_not_fenced(error)
+                if refusal is not None:
+                    raise refusal from None
+                raise
             if result.is_error:
                 return Answer(result, commit=False, detail="error result: rolled back")
             return Answer(result, record=_record(result), detail="ok")
 
         return _result(await self.gate.run(fences, tool=name, digest=digest, handler=serve))
+
+
+def _key_not_fenced(error: BaseException) -> KeyNotFenced | None:
+    """The ``KeyNotFenced`` the tool raised (``current_fence().require``), under FastMCP's wrap."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None or isinstance(seen, KeyNotFenced):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _request_meta(context: MiddlewareContext[Any]) -> Mapping[str, Any] | None:
