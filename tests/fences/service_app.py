@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
@@ -89,6 +90,16 @@ async def note(request: Request) -> JSONResponse:
     return JSONResponse({"bytes": len(body)})
 
 
+async def fails_after_answering(request: Request) -> JSONResponse:
+    """Writes and answers 201, then its background task raises (after the answer was written)."""
+    await fence_of(request).tx.execute(UPSERT, (request.path_params["lead"], 5))
+
+    async def fail() -> None:
+        raise RuntimeError("the background task failed")
+
+    return JSONResponse({"ok": True}, status_code=201, background=BackgroundTask(fail))
+
+
 async def broken(request: Request) -> JSONResponse:
     """Writes, then answers 404: the write must be rolled back."""
     await fence_of(request).tx.execute(UPSERT, (request.path_params["lead"], -1))
@@ -129,6 +140,7 @@ def create_app() -> Starlette:
               Route("/leads/{lead}/add", add_score, methods=["POST"]),
               Route("/leads/{lead}/broken", broken, methods=["POST"]),
               Route("/leads/{lead}/note", note, methods=["POST"]),
+              Route("/leads/{lead}/after", fails_after_answering, methods=["POST"]),
               Route("/leads/{lead}", read_lead, methods=["GET"]),
               Route("/noop", noop, methods=["POST"]),
               Route("/write", write_one, methods=["POST"]),

@@ -209,3 +209,15 @@ def test_an_mcp_call_fenced_on_another_key_is_refused_as_rest_refuses_it(mcp_ser
     assert leads(mcp_store) == {}
     assert mcp_store.high_water("lead:other") == 0
     assert [(r.decision, r.reason) for r in audit(mcp_store)] == [("rejected", "key_not_fenced")]
+
+
+def test_a_handler_that_raises_after_answering_applies_nothing(service, service_store):
+    """The answer was written to the middleware's buffer, then the app raised: it never leaves."""
+    headers = fenced({"lead:a": 2}, "a#1")
+    response = httpx.post(service.url + "/leads/a/after", json={}, headers=headers)
+    assert response.status_code == 500
+    assert leads(service_store) == {}
+    assert service_store.high_water("lead:a") == 0
+    assert [(r.decision, r.reason) for r in audit(service_store)] == [("failed", "error")]
+    again = httpx.post(service.url + "/leads/a/after", json={}, headers=headers)
+    assert again.status_code == 500 and "idempotent-replayed" not in again.headers
