@@ -221,3 +221,20 @@ def test_a_handler_that_raises_after_answering_applies_nothing(service, service_
     assert [(r.decision, r.reason) for r in audit(service_store)] == [("failed", "error")]
     again = httpx.post(service.url + "/leads/a/after", json={}, headers=headers)
     assert again.status_code == 500 and "idempotent-replayed" not in again.headers
+
+
+def test_a_client_that_hangs_up_mid_handler_gets_the_recorded_answer_on_its_retry(
+        service, service_store):
+    """The answer is lost (the client gave up while the handler ran): the service still
+    commits once, and the retry replays that answer instead of applying again."""
+    headers = fenced({"lead:u": 6}, "u#1")
+    body = {"score": 4, "sleep": 1.0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(service.url + "/leads/u/score", json=body, headers=headers, timeout=0.3)
+    rows = wait_for_audit(service_store, 1)
+    assert [r.reason for r in rows] == ["applied"]
+    retry = httpx.post(service.url + "/leads/u/score", json=body, headers=headers, timeout=30)
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert retry.json()["writes"] == 1
+    assert leads(service_store) == {"u": (4, 1)}
+    assert [r.reason for r in audit(service_store)] == ["applied", "duplicate"]
