@@ -238,3 +238,25 @@ def test_a_client_that_hangs_up_mid_handler_gets_the_recorded_answer_on_its_retr
     assert retry.json()["writes"] == 1
     assert leads(service_store) == {"u": (4, 1)}
     assert [r.reason for r in audit(service_store)] == ["applied", "duplicate"]
+
+
+@pytest.mark.parametrize("content", [b"not json", b'{"score": "high"}', b""])
+def test_a_body_the_handler_cannot_read_changes_nothing(service, service_store, content):
+    response = httpx.post(service.url + "/leads/j/score", content=content,
+                          headers={**fenced({"lead:j": 3}, "j#1"),
+                                   "content-type": "application/json"})
+    assert response.status_code == 500
+    assert leads(service_store) == {} and service_store.high_water("lead:j") == 0
+    assert [(r.decision, r.reason) for r in audit(service_store)] == [("failed", "error")]
+
+
+@pytest.mark.parametrize("args", [{"lead_id": "j", "score": "high"}, {"lead_id": "j"},
+                                  {"lead_id": "j", "score": 1, "extra": {"deep": [1] * 50}}])
+def test_arguments_the_tool_cannot_take_change_nothing_as_over_rest(mcp_service, mcp_store,
+                                                                   args):
+    with pytest.raises(Exception) as raised:
+        asyncio.run(mcp_call(mcp_service.url, "set_score", args,
+                             meta=mcp_meta({"lead:j": 3}, "j#1")))
+    assert "set_score" in str(raised.value) or "validation" in str(raised.value).lower()
+    assert leads(mcp_store) == {} and mcp_store.high_water("lead:j") == 0
+    assert [r.decision for r in audit(mcp_store)] == ["failed"]
