@@ -260,3 +260,61 @@ def test_arguments_the_tool_cannot_take_change_nothing_as_over_rest(mcp_service,
     assert "set_score" in str(raised.value) or "validation" in str(raised.value).lower()
     assert leads(mcp_store) == {} and mcp_store.high_water("lead:j") == 0
     assert [r.decision for r in audit(mcp_store)] == ["failed"]
+
+
+def test_a_lock_server_behind_the_services_fence_is_refused_then_reseeded_from_its_answer(
+        service, service_store, redis_url, tmp_path, unique):
+    """The service has seen a token the lock server never reached (it lost its data, its
+    clock went back): the stale request is refused, never applied; the guard raises the
+    lock's floor to the service's ``current`` and its one retry lands above it."""
+    from toolguard.adapters import guarded
+    from toolguard.fences import FencedClient
+
+    from .conftest import make_guard
+
+    lead = f"{unique}-R"
+    key = f"lead:{lead}"
+    ahead = 2**52  # above every hybrid-clock token until the year 2112
+    assert httpx.post(f"{service.url}/leads/{lead}/score", json={"score": 1},
+                      headers=fenced({key: ahead}, "ahead#1")).status_code == 201
+    guard = make_guard(tmp_path, "a", redis_url)
+    http = FencedClient(base_url=service.url)
+
+    @guarded(guard, agent="scorer")
+    def set_score(lead_id: str, score: int) -> dict:
+        return http.post(f"/leads/{lead_id}/score", json={"score": score}).json()
+
+    decision = set_score.run({"lead_id": lead, "score": 9}, call_id="r-1", thread_id="tr")
+    assert decision.ok, decision.message
+    rows = audit(service_store)
+    assert rows[-1].tokens[key] > ahead, (rows[-1].tokens, decision.tokens)
+    assert leads(service_store)[lead] == (9, 2)
+    assert [r.reason for r in audit(service_store)] == ["applied", "stale_fencing_token",
+                                                        "applied"]
+
+
+def test_a_service_fence_past_exact_tokens_is_never_reseeded_from(service, service_store,
+                                                                  redis_url, tmp_path, unique):
+    """A high-water at 2^62 (a hostile or broken caller sent it): the lock server cannot mint
+    tokens above it exactly, so the guard leaves its floor alone and the call stays refused."""
+    from toolguard.adapters import guarded
+    from toolguard.fences import FencedClient
+
+    from .conftest import make_guard
+
+    lead = f"{unique}-X"
+    key = f"lead:{lead}"
+    assert httpx.post(f"{service.url}/leads/{lead}/score", json={"score": 1},
+                      headers=fenced({key: 2**62}, "far#1")).status_code == 201
+    guard = make_guard(tmp_path, "a", redis_url)
+    http = FencedClient(base_url=service.url)
+
+    @guarded(guard, agent="scorer")
+    def set_score(lead_id: str, score: int) -> dict:
+        return http.post(f"/leads/{lead_id}/score", json={"score": score}).json()
+
+    decision = set_score.run({"lead_id": lead, "score": 9}, call_id="x-1", thread_id="tx")
+    assert (decision.kind, decision.reason) == ("rejected", "stale_fencing_token")
+    assert leads(service_store)[lead] == (1, 1)
+    assert [r.reason for r in audit(service_store)] == ["applied", "stale_fencing_token",
+                                                        "stale_fencing_token"]
