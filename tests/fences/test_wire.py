@@ -118,6 +118,7 @@ def test_limits_repeats_and_bytes_are_refused():
     ({"toolguard/fencing-token": ["a=1"]}, "toolguard/fencing-token"),
     ({"toolguard/idempotency-key": "k\x00#1"}, "toolguard/idempotency-key"),
     ({"toolguard/idempotency-key": "k" * 9000}, "toolguard/idempotency-key"),
+    ({"toolguard/agent": "\u00e9" * 5000}, "toolguard/agent"),  # 5,000 characters, 10,000 bytes
     (["toolguard/fencing-token"], "_meta"),
     ("toolguard/fencing-token=a=1", "_meta"),
 ])

@@ -152,6 +152,7 @@ class Fences:
         for name, value in self._texts():
             if value is not None:
                 _check_text(value, name)
+                _check_size(value, name)  # what the server refuses is refused before it leaves
                 out[META_KEYS[name]] = value
         return out
 
@@ -456,7 +457,9 @@ def request_digest(*parts: bytes | str) -> str:
 
 
 def _check_size(text: str, field: str) -> None:
-    if len(text) > MAX_FIELD_BYTES:
+    """At most ``MAX_FIELD_BYTES`` UTF-8 bytes (a ``_meta`` string may hold any characters)."""
+    if len(text) > MAX_FIELD_BYTES or (
+            not text.isascii() and len(text.encode("utf-8", "surrogatepass")) > MAX_FIELD_BYTES):
         msg = f"longer than {MAX_FIELD_BYTES} bytes"
         raise WireError(msg, field=field)
 
