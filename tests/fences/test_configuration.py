@@ -2,7 +2,9 @@
 
 No request is ever answered by a middleware that could not fence or audit it:
 the constructor refuses a missing or sync store and bad options, and the ASGI
-startup fails on a store whose schema is not installed.
+startup fails on a store whose schema is not installed. A request the
+middleware cannot fence (a websocket) is refused when it carries fences, never
+passed through as if they had been checked. All in-process, no server.
 """
 
 from __future__ import annotations
@@ -127,3 +129,36 @@ def test_an_installed_store_starts_and_a_request_without_startup_raises_on_a_bar
 
     with pytest.raises(GuardMisconfigured, match="toolguard db init"):
         asyncio.run(post())
+
+
+def test_a_websocket_that_carries_fences_is_refused_never_passed_through_unchecked(sqlite_url):
+    """The middleware fences HTTP requests only: a websocket that sends fences (its caller
+    believes it is fenced) is closed with 1008 and audited, and the app never sees it."""
+    from starlette.routing import WebSocketRoute
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocket, WebSocketDisconnect
+
+    opened: list[str] = []
+
+    async def socket(websocket: WebSocket) -> None:
+        opened.append(websocket.url.path)
+        await websocket.accept()
+        await websocket.send_text("hello")
+        await websocket.close()
+
+    store = open_async_store(sqlite_url)
+    starlette = Starlette(routes=[WebSocketRoute("/ws", socket)],
+                          middleware=[Middleware(FenceMiddleware, store=store)])
+    headers = Fences(tokens={"lead:w": 3}, idempotency_key="w#1").headers()
+    with TestClient(starlette) as client:
+        with pytest.raises(WebSocketDisconnect) as closed, \
+                client.websocket_connect("/ws", headers=headers) as ws:
+            ws.receive_text()
+        assert closed.value.code == 1008
+        with client.websocket_connect("/ws") as ws:  # no fences: passes through as before
+            assert ws.receive_text() == "hello"
+    assert opened == ["/ws"]
+    with open_store(sqlite_url) as sync_store:
+        rows = sync_store.query_audit(limit=None)
+    assert [(r.decision, r.reason, r.tool) for r in rows] == [
+        ("rejected", "fences_unsupported", "WEBSOCKET /ws")]

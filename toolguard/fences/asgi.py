@@ -123,6 +123,9 @@ class FenceMiddleware:
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
             return
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -153,6 +156,26 @@ class FenceMiddleware:
         outcome = await self.gate.run(fences, tool=tool, digest=digest,
                                       handler=self._handler(scope, receive, body))
         await _send_outcome(send, outcome)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A websocket cannot be fenced: one that carries fences is closed (1008) and audited."""
+        try:
+            fences = parse_headers(scope.get("headers") or ())
+        except WireError as error:
+            refusal: ToolGuardError = error
+            fences = Fences()
+        else:
+            if not fences.present:
+                await self.app(scope, receive, send)
+                return
+            msg = ("a websocket cannot be fenced (each message would need its own transaction): "
+                   "send fenced writes as HTTP requests")
+            refusal = ToolGuardError(msg, reason="fences_unsupported")
+        message = await receive()  # websocket.connect
+        refused = await self.gate.refuse(refusal, tool=_tool(scope), fences=fences)
+        if message.get("type") == "websocket.connect":
+            reason = refused.problem.reason
+            await send({"type": "websocket.close", "code": 1008, "reason": reason})
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """At startup, a store whose schema is behind fails the startup, naming the fix."""
@@ -316,5 +339,6 @@ def _tool(scope: Scope) -> str:
     """``METHOD /raw/path`` for the audit log and the intent row (printable, bounded)."""
     raw = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "replace")
     path = raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
-    text = f"{scope.get('method', '?')} {path}"
+    method = "WEBSOCKET" if scope.get("type") == "websocket" else scope.get("method", "?")
+    text = f"{method} {path}"
     return audit_name("".join(c if " " <= c <= "~" else "\ufffd" for c in text))

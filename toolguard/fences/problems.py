@@ -18,6 +18,7 @@ in_flight             409     -32073      a request with this idempotency key is
 idempotency_conflict  422     -32074      the key was used for another request
 request_too_large     413     -32602      the request body is over the middleware's bound
 request_incomplete    400     -32602      the client left before the end of the request body
+fences_unsupported    400     -32602      fences on a request that cannot be fenced (a websocket)
 backend_unavailable   503     -32075      the service's fence store cannot be reached
 store_error           500     -32076      the fence store refused (schema missing, ...)
 ====================  ======  ==========  ===============================================
@@ -65,6 +66,7 @@ _STATUS: Mapping[str, tuple[int, str]] = {
     "idempotency_conflict": (422, "Idempotency key reused"),
     "request_too_large": (413, "Request too large"),
     "request_incomplete": (400, "Incomplete request"),
+    "fences_unsupported": (400, "Request cannot be fenced"),
     "backend_unavailable": (503, "Fence store unavailable"),
     "store_error": (500, "Fence store error"),
 }
@@ -81,6 +83,7 @@ MCP_CODES: Mapping[str, int] = {
     "idempotency_conflict": -32074,
     "request_too_large": -32602,
     "request_incomplete": -32602,
+    "fences_unsupported": -32602,
     "backend_unavailable": -32075,
     "store_error": -32076,
 }
