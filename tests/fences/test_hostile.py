@@ -318,3 +318,22 @@ def test_a_service_fence_past_exact_tokens_is_never_reseeded_from(service, servi
     assert leads(service_store)[lead] == (1, 1)
     assert [r.reason for r in audit(service_store)] == ["applied", "stale_fencing_token",
                                                         "stale_fencing_token"]
+
+
+def test_oversized_mcp_arguments_are_refused_as_an_oversized_rest_body_is(mcp_service, service,
+                                                                         service_store):
+    big = "x" * (1 << 20)
+    with pytest.raises(MCPError) as raised:
+        asyncio.run(mcp_call(mcp_service.url, "set_score", {"lead_id": "big", "score": 1,
+                                                            "pad": big},
+                             meta=mcp_meta({"lead:big": 2}, "big#1")))
+    assert (raised.value.error.code, raised.value.error.data["reason"]) == (
+        -32602, "request_too_large")
+    response = httpx.post(service.url + "/leads/big/score", content=big.encode() + b"xx",
+                          headers=fenced({"lead:big": 2}, "big#1"))
+    assert (response.status_code, response.json()["reason"]) == (413, "request_too_large")
+    # both services run on the one service store: one refusal row each
+    assert leads(service_store) == {} and service_store.high_water("lead:big") == 0
+    assert [(r.decision, r.reason, r.tool) for r in audit(service_store)] == [
+        ("rejected", "request_too_large", "set_score"),
+        ("rejected", "request_too_large", "POST /leads/big/score")]

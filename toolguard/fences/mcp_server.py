@@ -33,7 +33,7 @@ from fastmcp.tools.base import ToolResult
 from mcp.shared.exceptions import MCPError
 from pydantic import TypeAdapter
 
-from toolguard.errors import GuardMisconfigured
+from toolguard.errors import GuardMisconfigured, ToolGuardError
 from toolguard.fences.gate import (
     Answer,
     Applied,
@@ -59,6 +59,8 @@ from toolguard.intent import canonical_json
 __all__ = ["REPLAYED_META_KEY", "FenceToolMiddleware"]
 
 REPLAYED_META_KEY = "toolguard/replayed"
+#: The bound on a fenced call's arguments (canonical JSON), as ``FenceMiddleware`` bounds bodies.
+DEFAULT_MAX_ARGUMENT_BYTES = 1 << 20
 _CONTENT = TypeAdapter(list[mcp_types.ContentBlock])
 
 
@@ -70,12 +72,21 @@ class FenceToolMiddleware(Middleware):
     """Fences every ``tools/call`` that carries fences or whose tool ``require(name)`` names.
 
     ``store`` is the server's own installed ``AsyncGuardedStore``; ``inflight``
-    as for ``FenceMiddleware``.
+    as for ``FenceMiddleware``; ``max_argument_bytes`` bounds a fenced call's
+    arguments as canonical JSON (``request_too_large``, as a REST body over
+    ``max_body_bytes``).
     """
 
     def __init__(self, *, store: Any, require: Callable[[str], bool] = _every_tool,
-                 inflight: InFlightRegistry | None = None) -> None:
+                 inflight: InFlightRegistry | None = None,
+                 max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES) -> None:
         self.gate = FenceGate(store, inflight=inflight, where="FenceToolMiddleware")
+        if (not isinstance(max_argument_bytes, int) or isinstance(max_argument_bytes, bool)
+                or max_argument_bytes < 0):
+            msg = (f"FenceToolMiddleware: max_argument_bytes must be an int >= 0, "
+                   f"got {max_argument_bytes!r}")
+            raise GuardMisconfigured(msg)
+        self.max_argument_bytes = max_argument_bytes
         given: object = require  # untyped callers may pass anything
         if not callable(given):
             msg = f"FenceToolMiddleware: require must be a function of the tool name, got {require!r}"
@@ -106,6 +117,13 @@ class FenceToolMiddleware(Middleware):
             refused = await self.gate.refuse(WireError(f"arguments are not JSON: {error}",
                                                        field="arguments"), tool=name, fences=fences)
             raise _mcp_error(refused.problem) from None
+        size = len(arguments.encode("utf-8", "surrogatepass"))
+        if size > self.max_argument_bytes:
+            msg = (f"the arguments are {size} bytes as JSON, more than {self.max_argument_bytes}: "
+                   f"nothing was run")
+            refused = await self.gate.refuse(ToolGuardError(msg, reason="request_too_large"),
+                                             tool=name, fences=fences)
+            raise _mcp_error(refused.problem)
         digest = request_digest("tools/call", context.message.name, arguments)
 
         async def serve(_: ServiceFence) -> Answer:
