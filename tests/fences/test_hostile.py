@@ -337,3 +337,36 @@ def test_oversized_mcp_arguments_are_refused_as_an_oversized_rest_body_is(mcp_se
     assert [(r.decision, r.reason, r.tool) for r in audit(service_store)] == [
         ("rejected", "request_too_large", "set_score"),
         ("rejected", "request_too_large", "POST /leads/big/score")]
+
+
+def test_one_key_sent_to_two_service_processes_at_once_applies_once(service, service_store):
+    """Two processes of the service on one store: the second copy of an in-flight request
+    is 409 in_flight (PostgreSQL: advisory locks span processes) or waits for the first and
+    replays it (SQLite: the marker is per process, the store's write lock is not)."""
+    from servers import free_port
+
+    twin = ServiceProcess(service.factory, service.store_url, service.schema, free_port()).start()
+    headers = fenced({"lead:two": 8}, "two#1")
+    body = {"score": 6, "sleep": 1.0}
+    try:
+        async def both() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                first = asyncio.create_task(client.post(service.url + "/leads/two/score",
+                                                        json=body, headers=headers))
+                await asyncio.sleep(0.4)  # the first is inside its fenced transaction
+                second = await client.post(twin.url + "/leads/two/score", json=body,
+                                           headers=headers)
+                return [await first, second]
+
+        first, second = asyncio.run(both())
+    finally:
+        twin.stop()
+    assert first.status_code == 201 and first.json()["writes"] == 1
+    if service_store.dialect == "postgresql":
+        assert (second.status_code, second.json()["reason"]) == (409, "in_flight")
+    else:
+        assert second.status_code == 201 and second.headers["idempotent-replayed"] == "true"
+        assert second.content == first.content
+    assert leads(service_store) == {"two": (6, 1)}
+    assert sorted(r.reason for r in audit(service_store)) == sorted(
+        ["applied", "in_flight" if service_store.dialect == "postgresql" else "duplicate"])
