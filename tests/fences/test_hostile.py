@@ -370,3 +370,45 @@ def test_one_key_sent_to_two_service_processes_at_once_applies_once(service, ser
     assert leads(service_store) == {"two": (6, 1)}
     assert sorted(r.reason for r in audit(service_store)) == sorted(
         ["applied", "in_flight" if service_store.dialect == "postgresql" else "duplicate"])
+
+
+def test_a_fenced_client_following_redirects_keeps_its_fences_to_the_origin(redis_url,
+                                                                            tmp_path, unique):
+    """303 after a POST: the GET it leads to is a fenced read without the write's key (the
+    service would refuse the key reused for a GET); a redirect to another origin is refused,
+    and nothing reaches that origin."""
+    from toolguard.adapters import guarded
+    from toolguard.fences import FencedClient
+
+    from .conftest import make_guard
+
+    seen: list[tuple[str, str, dict[str, str]]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, str(request.url), dict(request.headers)))
+        if request.url.path.endswith("/see-other"):
+            return httpx.Response(303, headers={"location": "/leads/L"})
+        if request.url.path.endswith("/elsewhere"):
+            return httpx.Response(307, headers={"location": "http://other.example/take"})
+        return httpx.Response(200, json={"ok": True})
+
+    guard = make_guard(tmp_path, "a", redis_url)
+    http = FencedClient(transport=httpx.MockTransport(answer), base_url="http://svc",
+                        follow_redirects=True)
+
+    @guarded(guard, agent="scorer")
+    def set_score(lead_id: str, score: int) -> dict:
+        return http.post(f"/leads/{lead_id}/{'see-other' if score else 'elsewhere'}",
+                         json={"score": score}).json()
+
+    ok = set_score.run({"lead_id": f"{unique}-a", "score": 1}, call_id="c-1", thread_id="t1")
+    assert ok.ok, ok.message
+    (post, post_url, post_headers), (get, get_url, get_headers) = seen
+    assert (post, get, get_url) == ("POST", "GET", "http://svc/leads/L")
+    assert "idempotency-key" in post_headers and "idempotency-key" not in get_headers
+    assert get_headers["fencing-token"] == post_headers["fencing-token"]
+    seen.clear()
+    refused = set_score.run({"lead_id": f"{unique}-b", "score": 0}, call_id="c-2",
+                            thread_id="t2")
+    assert not refused.ok and refused.reason == "fenced_redirect", refused
+    assert [url for _, url, _ in seen] == [f"http://svc/leads/{unique}-b/elsewhere"]
