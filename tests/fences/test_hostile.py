@@ -405,6 +405,7 @@ def test_a_fenced_client_following_redirects_keeps_its_fences_to_the_origin(redi
     assert ok.ok, ok.message
     (post, post_url, post_headers), (get, get_url, get_headers) = seen
     assert (post, get, get_url) == ("POST", "GET", "http://svc/leads/L")
+    assert post_url == f"http://svc/leads/{unique}-a/see-other"
     assert "idempotency-key" in post_headers and "idempotency-key" not in get_headers
     assert get_headers["fencing-token"] == post_headers["fencing-token"]
     seen.clear()
