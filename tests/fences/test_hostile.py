@@ -413,3 +413,15 @@ def test_a_fenced_client_following_redirects_keeps_its_fences_to_the_origin(redi
                             thread_id="t2")
     assert not refused.ok and refused.reason == "fenced_redirect", refused
     assert [url for _, url, _ in seen] == [f"http://svc/leads/{unique}-b/elsewhere"]
+
+
+def test_an_mcp_key_reused_for_another_tool_is_refused_never_replayed(mcp_service, mcp_store):
+    asyncio.run(mcp_call(mcp_service.url, "set_score", {"lead_id": "t", "score": 2},
+                         meta=mcp_meta({"lead:t": 3}, "t#1")))
+    with pytest.raises(MCPError) as raised:
+        asyncio.run(mcp_call(mcp_service.url, "fail_after_write", {"lead_id": "t"},
+                             meta=mcp_meta({"lead:t": 3}, "t#1")))
+    assert (raised.value.error.code, raised.value.error.data["reason"]) == (
+        -32074, "idempotency_conflict")
+    assert leads(mcp_store) == {"t": (2, 1)}
+    assert [r.reason for r in audit(mcp_store)] == ["applied", "idempotency_conflict"]
