@@ -425,3 +425,68 @@ def test_an_mcp_key_reused_for_another_tool_is_refused_never_replayed(mcp_servic
         -32074, "idempotency_conflict")
     assert leads(mcp_store) == {"t": (2, 1)}
     assert [r.reason for r in audit(mcp_store)] == ["applied", "idempotency_conflict"]
+
+
+def test_a_request_cancelled_mid_handler_is_recorded_unknown_and_applies_once_on_retry(tmp_path):
+    """An ASGI server that cancels the app when its client goes away (in-process here):
+    the handler's writes roll back, the outcome is audited unknown, and the retry applies."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from toolguard.fences import FenceMiddleware, fence_of
+    from toolguard.store import open_async_store
+
+    url = f"sqlite:///{tmp_path}/service.db"
+    with open_store(url, install=True) as setup, setup.connection() as conn:
+        conn.execute("CREATE TABLE notes (id TEXT PRIMARY KEY)")
+    started = asyncio.Event()
+    slow = [True, False]
+
+    async def handler(request):
+        await fence_of(request).tx.execute("INSERT INTO notes (id) VALUES (%s)", ("n",))
+        started.set()
+        if slow.pop(0):
+            await asyncio.sleep(3600)
+        return PlainTextResponse("ok", status_code=201)
+
+    store = open_async_store(url)
+    app = Starlette(routes=[Route("/n", handler, methods=["POST"])],
+                    middleware=[Middleware(FenceMiddleware, store=store)])
+    headers = [(k.lower().encode(), v.encode())
+               for k, v in fenced({"note:n": 5}, "n#1").items()]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "path": "/n", "raw_path": b"/n", "query_string": b"",
+             "headers": headers, "scheme": "http", "server": ("svc", 80), "client": None,
+             "root_path": ""}
+
+    async def serve(sent: list) -> None:
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await app(dict(scope), receive, send)
+
+    async def run() -> list:
+        first: list = []
+        task = asyncio.create_task(serve(first))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert first == []  # nothing left the service
+        again: list = []
+        await serve(again)
+        await store.close()
+        return again
+
+    again = asyncio.run(run())
+    assert again[0]["status"] == 201
+    with open_store(url) as check, check.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM notes").fetchone()[0] == 1
+        assert [(r.decision, r.reason) for r in audit(check)] == [("unknown", "cancelled"),
+                                                                   ("accepted", "applied")]
+        assert check.high_water("note:n") == 5
