@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from pg_server import private_postgres  # noqa: F401  (fixture for the store-restart tests)
 from psycopg import sql
 
 from toolguard.store import GuardedStore, open_store
@@ -29,8 +30,10 @@ TESTS = Path(__file__).resolve().parents[1]
 class ServiceProcess:
     """One uvicorn process serving ``factory``; ``kill()`` and ``start()`` to restart it."""
 
-    def __init__(self, factory: str, store_url: str, schema: str | None, port: int) -> None:
+    def __init__(self, factory: str, store_url: str, schema: str | None, port: int,
+                 env: dict[str, str] | None = None) -> None:
         self.factory = factory
+        self.env = env or {}
         self.store_url = store_url
         self.schema = schema
         self.port = port
@@ -42,7 +45,7 @@ class ServiceProcess:
 
     def start(self, timeout_s: float = 30.0) -> ServiceProcess:
         env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "FENCES_STORE_URL": self.store_url, "FENCES_SCHEMA": self.schema or ""}
+               "FENCES_STORE_URL": self.store_url, "FENCES_SCHEMA": self.schema or "", **self.env}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", self.factory, "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", "--no-access-log"],
@@ -119,6 +122,14 @@ def service_store(service: ServiceProcess) -> Iterator[GuardedStore]:
     """The running service's store, read by the tests (fences, intents, audit, leads)."""
     options = {"schema": service.schema} if service.schema else {}
     with open_store(service.store_url, **options) as store:
+        yield store
+
+
+@pytest.fixture
+def mcp_store(mcp_service: ServiceProcess) -> Iterator[GuardedStore]:
+    """The running MCP server's store."""
+    options = {"schema": mcp_service.schema} if mcp_service.schema else {}
+    with open_store(mcp_service.store_url, **options) as store:
         yield store
 
 

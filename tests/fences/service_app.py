@@ -2,7 +2,9 @@
 
 Started by ``uvicorn --factory fences.service_app:create_app`` (or ``create_mcp_app``)
 in a process of its own, configured by environment variables:
-``FENCES_STORE_URL`` (the service's store), ``FENCES_SCHEMA`` (a PostgreSQL schema).
+``FENCES_STORE_URL`` (the service's store), ``FENCES_SCHEMA`` (a PostgreSQL schema),
+``FENCES_POOL`` (optional: ``max_size,timeout_s`` of a PostgreSQL store's pool; on
+SQLite the timeout is the busy timeout).
 The handlers read and write ``leads`` only through the fenced transaction.
 """
 
@@ -15,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
@@ -35,6 +38,16 @@ def _options() -> tuple[str, dict[str, Any]]:
     return url, ({"schema": schema} if schema and url.startswith("postgres") else {})
 
 
+def _pool_options(url: str) -> dict[str, Any]:
+    pool = os.environ.get("FENCES_POOL")
+    if not pool:
+        return {}
+    size, timeout = pool.split(",")
+    if not url.startswith("postgres"):
+        return {"busy_timeout_ms": int(float(timeout) * 1000)}
+    return {"max_size": int(size), "timeout_s": float(timeout)}
+
+
 def prepare() -> None:
     """Install the store and the service's own table (synchronously, before serving)."""
     url, options = _options()
@@ -43,8 +56,10 @@ def prepare() -> None:
 
 
 async def set_score(request: Request) -> JSONResponse:
-    tx = fence_of(request).tx
+    fence = fence_of(request)
     lead = request.path_params["lead"]
+    fence.require(f"lead:{lead}")  # what this handler writes must be fenced by the request
+    tx = fence.tx
     body = await request.json()
     delay = float(body.get("sleep", 0))
     row = await (await tx.execute("SELECT score, writes FROM leads WHERE id = %s", (lead,))).fetchone()
@@ -57,13 +72,32 @@ async def set_score(request: Request) -> JSONResponse:
 
 async def add_score(request: Request) -> JSONResponse:
     """Read-modify-write: the read happens inside the fence, so no update is ever lost."""
-    tx = fence_of(request).tx
+    fence = fence_of(request)
     lead = request.path_params["lead"]
+    fence.require(f"lead:{lead}")
+    tx = fence.tx
     delta = int((await request.json())["delta"])
     row = await (await tx.execute("SELECT score FROM leads WHERE id = %s", (lead,))).fetchone()
     score = (row[0] if row else 0) + delta
     await tx.execute(UPSERT, (lead, score))
     return JSONResponse({"lead": lead, "score": score})
+
+
+async def note(request: Request) -> JSONResponse:
+    """Stores the raw body's length as the lead's score: whatever bytes arrived."""
+    body = await request.body()
+    await fence_of(request).tx.execute(UPSERT, (request.path_params["lead"], len(body)))
+    return JSONResponse({"bytes": len(body)})
+
+
+async def fails_after_answering(request: Request) -> JSONResponse:
+    """Writes and answers 201, then its background task raises (after the answer was written)."""
+    await fence_of(request).tx.execute(UPSERT, (request.path_params["lead"], 5))
+
+    async def fail() -> None:
+        raise RuntimeError("the background task failed")
+
+    return JSONResponse({"ok": True}, status_code=201, background=BackgroundTask(fail))
 
 
 async def broken(request: Request) -> JSONResponse:
@@ -95,7 +129,7 @@ async def health(request: Request) -> PlainTextResponse:
 def create_app() -> Starlette:
     prepare()
     url, options = _options()
-    store = open_async_store(url, **options)
+    store = open_async_store(url, **options, **_pool_options(url))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -105,6 +139,8 @@ def create_app() -> Starlette:
     routes = [Route("/leads/{lead}/score", set_score, methods=["POST"]),
               Route("/leads/{lead}/add", add_score, methods=["POST"]),
               Route("/leads/{lead}/broken", broken, methods=["POST"]),
+              Route("/leads/{lead}/note", note, methods=["POST"]),
+              Route("/leads/{lead}/after", fails_after_answering, methods=["POST"]),
               Route("/leads/{lead}", read_lead, methods=["GET"]),
               Route("/noop", noop, methods=["POST"]),
               Route("/write", write_one, methods=["POST"]),
@@ -129,6 +165,7 @@ def create_mcp_app() -> Any:
     @mcp.tool
     async def set_score(lead_id: str, score: int, sleep: float = 0) -> dict:
         """Set a lead's score; returns the old one."""
+        current_fence().require(f"lead:{lead_id}")
         tx = current_fence().tx
         row = await (await tx.execute("SELECT score, writes FROM leads WHERE id = %s",
                                       (lead_id,))).fetchone()

@@ -13,16 +13,8 @@ from toolguard.adapters import guarded
 from toolguard.fences import FencedSession, guarded_mcp_tools
 from toolguard.fences.mcp_server import REPLAYED_META_KEY
 from toolguard.fences.wire import Fences
-from toolguard.store import open_store
 
 from .conftest import leads, make_guard
-
-
-@pytest.fixture
-def mcp_store(mcp_service):
-    options = {"schema": mcp_service.schema} if mcp_service.schema else {}
-    with open_store(mcp_service.store_url, **options) as store:
-        yield store
 
 
 def meta(tokens: dict[str, int], key: str | None = "k#1") -> dict[str, str]:
@@ -112,6 +104,12 @@ def test_a_replayed_call_advances_the_servers_fence(mcp_service, mcp_store):
      "invalid_fence_header"),
     ({"toolguard/fencing-token": 7, "toolguard/idempotency-key": "x#1"}, -32602,
      "invalid_fence_header"),
+    # a null entry arrives as an absent one
+    ({"toolguard/fencing-token": None, "toolguard/idempotency-key": "x#1"}, -32071,
+     "fences_required"),
+    # the exact key and a look-alike with another token: which one was meant is not a guess
+    ({"toolguard/fencing-token": "lead%3Ax=9", "Toolguard/Fencing-Token": "lead%3Ax=1",
+      "toolguard/idempotency-key": "x#1"}, -32602, "invalid_fence_header"),
 ])
 def test_missing_or_malformed_meta_is_an_mcp_error_and_changes_nothing(mcp_service, mcp_store,
                                                                       sent, code, reason):

@@ -136,6 +136,33 @@ def test_the_same_key_with_another_payload_is_a_conflict_and_changes_nothing(ser
     assert audit(service_store)[-1].reason == "idempotency_conflict"
 
 
+@pytest.mark.parametrize("method, path, extra", [
+    ("POST", "/leads/c2/score", []),                                   # another path
+    ("GET", "/leads/c", []),                                           # another method
+    ("POST", "/leads/c/score?dry=1", []),                              # a query string
+    ("POST", "/leads/c/score", [("content-type", "text/plain")]),      # another content type
+    # the app reads the first Content-Type line: a request whose first line differs is another
+    ("POST", "/leads/c/score", [("content-type", "text/plain"),
+                                ("content-type", "application/json")]),
+])
+def test_a_key_reused_for_another_request_is_refused_never_replayed(service, service_store,
+                                                                     method, path, extra):
+    headers = fenced({"lead:c": 5}, "reuse#1")
+    body = b'{"score": 1}'
+    first = httpx.post(service.url + "/leads/c/score", content=body,
+                       headers={**headers, "content-type": "application/json"})
+    assert first.status_code == 201
+    other = [(k.lower(), v) for k, v in headers.items()] + (
+        extra or [("content-type", "application/json")])
+    with httpx.Client(base_url=service.url) as client:
+        response = client.request(method, path, content=body, headers=other)
+    assert response.status_code == 422, response.text
+    assert "idempotent-replayed" not in response.headers
+    assert response.json()["reason"] == "idempotency_conflict"
+    assert leads(service_store) == {"c": (1, 1)}
+    assert [r.reason for r in audit(service_store)] == ["applied", "idempotency_conflict"]
+
+
 @pytest.mark.parametrize("headers, missing", [
     ({}, ["Fencing-Token", "Idempotency-Key"]),
     (fenced({"lead:m": 1}, key=None), ["Idempotency-Key"]),

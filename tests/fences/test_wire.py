@@ -106,6 +106,32 @@ def test_limits_repeats_and_bytes_are_refused():
         parse_meta({"toolguard/fencing-token": {"a": 1}})
 
 
+@pytest.mark.parametrize("meta, field", [
+    ({"Toolguard/Fencing-Token": "a=1"}, "Toolguard/Fencing-Token"),
+    ({"toolguard/fencing-token": "a=5", "toolguard/Fencing-Token": "a=1"},
+     "toolguard/Fencing-Token"),
+    ({"toolguard/fencing-token ": "a=1"}, "toolguard/fencing-token "),
+    ({"toolguard/\uff46encing-token": "a=1"}, "toolguard/\uff46encing-token"),  # full-width f
+    ({"TOOLGUARD/idempotency-key": "k#1"}, "TOOLGUARD/idempotency-key"),
+    ({"toolguard/fencing-tokens": "a=1"}, "toolguard/fencing-tokens"),
+    ({"toolguard/fencing-token": None}, "toolguard/fencing-token"),
+    ({"toolguard/fencing-token": ["a=1"]}, "toolguard/fencing-token"),
+    ({"toolguard/idempotency-key": "k\x00#1"}, "toolguard/idempotency-key"),
+    ({"toolguard/idempotency-key": "k" * 9000}, "toolguard/idempotency-key"),
+    ({"toolguard/agent": "\u00e9" * 5000}, "toolguard/agent"),  # 5,000 characters, 10,000 bytes
+    (["toolguard/fencing-token"], "_meta"),
+    ("toolguard/fencing-token=a=1", "_meta"),
+])
+def test_hostile_meta_is_refused_naming_the_key(meta, field):
+    with pytest.raises(WireError) as raised:
+        parse_meta(meta)
+    assert raised.value.field == field
+
+
+def test_meta_keys_outside_the_toolguard_namespace_are_left_alone():
+    assert parse_meta({"progressToken": 3, "other/fencing-token": "x", "a": None}) == Fences()
+
+
 def test_the_client_side_refuses_what_cannot_travel():
     with pytest.raises(WireError, match="lone surrogate"):
         encode_fences({"a\ud800": 1})

@@ -272,6 +272,7 @@ def _app(service: CrmService, service_store: Any, ready: threading.Event) -> Any
     from starlette.routing import Route
 
     from toolguard.fences import FenceMiddleware, fence_of
+    from toolguard.policies.templates import escape_value
 
     async def put_lead(request: Request) -> JSONResponse:
         lead_id = request.path_params["lead_id"]
@@ -281,7 +282,9 @@ def _app(service: CrmService, service_store: Any, ready: threading.Event) -> Any
             return JSONResponse({"error": "invalid lead", "detail": error.errors(
                 include_url=False, include_context=False, include_input=False)}, status_code=422)
         if service.fenced:
-            tx = fence_of(request).tx  # the fences were checked and advanced in this transaction
+            fence = fence_of(request)  # the fences were checked and advanced in this transaction
+            fence.require(f"lead:{escape_value(lead_id)}")  # and they cover the lead it writes
+            tx = fence.tx
             row = await (await tx.execute(_UPSERT, _upsert_params(service.pipeline, lead_id,
                                                                   lead))).fetchone()
             push = int(row[0])

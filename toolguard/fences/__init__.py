@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from toolguard.fences.mcp_client import FencedSession, guarded_mcp_tools
     from toolguard.fences.mcp_server import FenceToolMiddleware
     from toolguard.fences.outgoing import outgoing_fences
-    from toolguard.fences.problems import FencesRequired, InFlight, Problem
+    from toolguard.fences.problems import FencesRequired, InFlight, KeyNotFenced, Problem
     from toolguard.fences.wire import Fences, WireError
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "Fences",
     "FencesRequired",
     "InFlight",
+    "KeyNotFenced",
     "LocalInFlight",
     "PostgresInFlight",
     "Problem",
@@ -73,6 +74,7 @@ _WHERE = {
     "WireError": "wire",
     "FencesRequired": "problems",
     "InFlight": "problems",
+    "KeyNotFenced": "problems",
     "Problem": "problems",
     "LocalInFlight": "inflight",
     "PostgresInFlight": "inflight",

@@ -38,7 +38,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from toolguard.errors import ToolGuardError
+from toolguard.errors import GuardMisconfigured, ToolGuardError
 from toolguard.fences.gate import (
     Answer,
     Applied,
@@ -48,6 +48,7 @@ from toolguard.fences.gate import (
     Refused,
     Replayed,
     ServiceFence,
+    audit_name,
 )
 from toolguard.fences.inflight import InFlightRegistry
 from toolguard.fences.problems import CONTENT_TYPE, FencesRequired, Problem
@@ -106,11 +107,25 @@ class FenceMiddleware:
                  inflight: InFlightRegistry | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
-        self.gate = FenceGate(store, inflight=inflight)
+        self.gate = FenceGate(store, inflight=inflight, where="FenceMiddleware")
+        given: object = require  # untyped callers may pass anything
+        if not callable(given):
+            msg = f"FenceMiddleware: require must be a function of the ASGI scope, got {require!r}"
+            raise GuardMisconfigured(msg)
+        if (not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool)
+                or max_body_bytes < 0):
+            msg = f"FenceMiddleware: max_body_bytes must be an int >= 0, got {max_body_bytes!r}"
+            raise GuardMisconfigured(msg)
         self.require = require
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -130,20 +145,57 @@ class FenceMiddleware:
                                              fences=fences)
             await _send_problem(send, refused.problem)
             return
-        body = await _read_body(receive, self.max_body_bytes)
-        if body is None:
-            msg = f"the request body is larger than {self.max_body_bytes} bytes"
-            refused = await self.gate.refuse(ToolGuardError(msg, reason="request_too_large"),
-                                             tool=tool, fences=fences)
+        try:
+            body = await _read_body(receive, self.max_body_bytes)
+        except ToolGuardError as error:  # too large, or cut off by a disconnect
+            refused = await self.gate.refuse(error, tool=tool, fences=fences)
             await _send_problem(send, refused.problem)
             return
-        headers = dict(scope.get("headers") or ())
         digest = request_digest(scope.get("method", ""), scope.get("raw_path") or scope["path"],
-                                scope.get("query_string", b""), headers.get(b"content-type", b""),
-                                body)
+                                scope.get("query_string", b""), _body_headers(scope), body)
         outcome = await self.gate.run(fences, tool=tool, digest=digest,
                                       handler=self._handler(scope, receive, body))
         await _send_outcome(send, outcome)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A websocket cannot be fenced: one that carries fences is closed (1008) and audited."""
+        try:
+            fences = parse_headers(scope.get("headers") or ())
+        except WireError as error:
+            refusal: ToolGuardError = error
+            fences = Fences()
+        else:
+            if not fences.present:
+                await self.app(scope, receive, send)
+                return
+            msg = ("a websocket cannot be fenced (each message would need its own transaction): "
+                   "send fenced writes as HTTP requests")
+            refusal = ToolGuardError(msg, reason="fences_unsupported")
+        message = await receive()  # websocket.connect
+        refused = await self.gate.refuse(refusal, tool=_tool(scope), fences=fences)
+        if message.get("type") == "websocket.connect":
+            reason = refused.problem.reason
+            await send({"type": "websocket.close", "code": 1008, "reason": reason})
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """At startup, a store whose schema is behind fails the startup, naming the fix."""
+        message = await receive()
+        if message.get("type") == "lifespan.startup":
+            try:
+                await self.gate.check_store()
+            except GuardMisconfigured as error:
+                await send({"type": "lifespan.startup.failed", "message": str(error)})
+                return
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     def _handler(self, scope: Scope, receive: Receive,
                  body: bytes) -> Callable[[ServiceFence], Awaitable[Answer]]:
@@ -237,22 +289,36 @@ def _missing(scope: Scope, fences: Fences) -> tuple[str, ...]:
     return tuple(missing)
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None past ``limit`` bytes."""
+#: Headers that say how the body is read: every line of each is part of the request's digest.
+_BODY_HEADERS = (b"content-type", b"content-encoding")
+
+
+def _body_headers(scope: Scope) -> str:
+    """Every line of the body's headers, in order (an app may read the first or the last)."""
+    lines = [[bytes(k).lower().decode("latin-1"), bytes(v).decode("latin-1")]
+             for k, v in scope.get("headers") or () if bytes(k).lower() in _BODY_HEADERS]
+    return json.dumps(lines, separators=(",", ":"))
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body; ``ToolGuardError`` past ``limit`` bytes or if the client left
+    before sending all of it (a cut-off body is never handed to the app)."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            msg = (f"the client disconnected after {size} byte(s) of the request body, "
+                   f"before its end: nothing was run")
+            raise ToolGuardError(msg, reason="request_incomplete")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            return None
+            msg = f"the request body is larger than {limit} bytes"
+            raise ToolGuardError(msg, reason="request_too_large")
         chunks.append(chunk)
         if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+            return b"".join(chunks)
 
 
 def _replay_body(body: bytes, receive: Receive) -> Receive:
@@ -273,6 +339,6 @@ def _tool(scope: Scope) -> str:
     """``METHOD /raw/path`` for the audit log and the intent row (printable, bounded)."""
     raw = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "replace")
     path = raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
-    text = f"{scope.get('method', '?')} {path}"
-    text = "".join(c if " " <= c <= "~" else "\ufffd" for c in text)
-    return text[:200]
+    method = "WEBSOCKET" if scope.get("type") == "websocket" else scope.get("method", "?")
+    text = f"{method} {path}"
+    return audit_name("".join(c if " " <= c <= "~" else "\ufffd" for c in text))

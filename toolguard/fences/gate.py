@@ -23,17 +23,20 @@ before.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from toolguard.errors import DuplicateIntent, ToolGuardError
+from toolguard.errors import DuplicateIntent, GuardMisconfigured, ToolGuardError
 from toolguard.fences.inflight import InFlightRegistry, default_registry
-from toolguard.fences.problems import InFlight, Problem, problem_from_error
+from toolguard.fences.problems import InFlight, KeyNotFenced, Problem, problem_from_error
 from toolguard.fences.wire import Fences
 from toolguard.store import AsyncFencedTransaction, AsyncGuardedStore, AuditEntry, IntentRecord
+from toolguard.store.base import latest_version
 
 __all__ = [
     "Answer",
@@ -44,6 +47,7 @@ __all__ = [
     "Refused",
     "Replayed",
     "ServiceFence",
+    "audit_name",
     "current_fence",
 ]
 
@@ -82,6 +86,33 @@ class ServiceFence:
     @property
     def intent_id(self) -> str | None:
         return self.fences.intent_id
+
+    def require(self, *keys: str) -> None:
+        """Raise ``KeyNotFenced`` unless the request carries a fence for every one of ``keys``.
+
+        Call it with the lock keys of what the handler is about to write
+        (``fence.require(f"lead:{lead_id}")``): a request fenced on some other key
+        proves nothing about this resource. The request is rolled back, its fence
+        advances too, and answered ``428`` (MCP ``-32077``) naming the keys.
+        """
+        missing = tuple(sorted({key for key in keys if key not in self.fences.tokens}))
+        if missing:
+            held = ", ".join(sorted(self.fences.tokens)) or "none"
+            msg = (f"{self.tool} writes {', '.join(missing)}, and the request carries no fencing "
+                   f"token for it (it holds: {held}): lock it in the caller's policy")
+            raise KeyNotFenced(msg, keys=missing)
+
+
+def audit_name(text: str, *, limit: int = 200) -> str:
+    """A request's name (``METHOD /path``, an MCP tool) as every store can audit it.
+
+    Printable and bounded: control characters (NUL included) and lone surrogates
+    become U+FFFD, and the text is cut at ``limit`` characters. The request's
+    digest keeps the exact name, so two names alike here never replay each other.
+    """
+    shown = "".join("\ufffd" if c < " " or c == "\x7f" or "\ud800" <= c <= "\udfff" else c
+                    for c in text[:limit])
+    return shown or "\ufffd"
 
 
 _current: ContextVar[ServiceFence | None] = ContextVar("toolguard_service_fence", default=None)
@@ -144,20 +175,65 @@ class _Declined(ToolGuardError):
         self.answer = answer
 
 
+def require_service_store(store: object, *, where: str) -> AsyncGuardedStore:
+    """``store`` if it is an ``AsyncGuardedStore``, else ``GuardMisconfigured`` naming the fix."""
+    if (not isinstance(store, AsyncGuardedStore)
+            or not inspect.iscoroutinefunction(getattr(store, "audit", None))):
+        msg = (f"{where} needs the service's own asyncio store, open_async_store(url) "
+               f"(installed), got {store!r}")
+        raise GuardMisconfigured(msg)
+    return store
+
+
 class FenceGate:
-    """Checks a request's fences against the service's store and runs its handler inside them."""
+    """Checks a request's fences against the service's store and runs its handler inside them.
+
+    A store that is not an ``AsyncGuardedStore`` raises ``GuardMisconfigured`` here; one
+    whose schema is behind this toolguard (or not installed) raises it from ``check_store``
+    (the ASGI middleware calls it at startup) or at the first request, to the developer:
+    no request could be fenced or audited on it.
+    """
 
     def __init__(self, store: AsyncGuardedStore, *,
-                 inflight: InFlightRegistry | None = None) -> None:
-        self.store = store
+                 inflight: InFlightRegistry | None = None, where: str = "FenceGate") -> None:
+        self.store = require_service_store(store, where=where)
+        if inflight is not None and not callable(getattr(inflight, "hold", None)):
+            msg = f"{where}: inflight must have hold(key) (an InFlightRegistry), got {inflight!r}"
+            raise GuardMisconfigured(msg)
         self.inflight = inflight if inflight is not None else default_registry(store)
+        self._schema_current = False
+
+    async def check_store(self) -> None:
+        """Raise ``GuardMisconfigured`` if the store's schema is behind this toolguard.
+
+        A store that cannot be reached now is no verdict: checked again next time.
+        """
+        if self._schema_current:
+            return
+        try:
+            version = await self.store.schema_version()
+        except Exception:
+            return
+        wanted = latest_version("sqlite" if self.store.dialect == "sqlite" else "postgresql")
+        if version < wanted:
+            found = "not installed" if version == 0 else f"at version {version}"
+            msg = (f"the service's fence store ({self.store!r}) has the toolguard schema {found}, "
+                   f"and this toolguard needs version {wanted}: run `toolguard db init` (or "
+                   f"open the store with install=True) before serving fenced requests")
+            raise GuardMisconfigured(msg)
+        self._schema_current = True
 
     async def run(self, fences: Fences, *, tool: str, digest: str, handler: Handler) -> Outcome:
         """Fence, dedupe and run ``handler`` in one transaction (see the module docstring)."""
+        await self.check_store()
         key = fences.idempotency_key
         if key is None:
             return await self._fenced(fences, tool, digest, handler)
-        async with self.inflight.hold(key) as held:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                held = await stack.enter_async_context(self.inflight.hold(key))
+            except ToolGuardError as error:  # the marker's store is down: 503, audited if it can
+                return await self.refuse(error, tool=tool, fences=fences)
             if not held:
                 msg = f"a request with idempotency key {key!r} is still in flight; retry later"
                 return await self.refuse(InFlight(msg, idempotency_key=key), tool=tool,
@@ -198,6 +274,7 @@ class FenceGate:
     async def refuse(self, error: ToolGuardError, *, tool: str | None,
                      fences: Fences | None = None) -> Refused:
         """Audit a refusal decided before the fenced transaction, and return its problem."""
+        await self.check_store()
         problem = problem_from_error(error)
         fences = fences or Fences()
         entry = AuditEntry(decision="rejected", reason=problem.reason, tool=tool,

@@ -26,11 +26,16 @@ from typing import Any
 
 import httpx
 
+from toolguard.errors import ToolGuardError
 from toolguard.fences.outgoing import outgoing_fences
 from toolguard.fences.problems import CONTENT_TYPE, error_from_problem
 from toolguard.fences.wire import IDEMPOTENCY_KEY_HEADER, SAFE_METHODS
 
-__all__ = ["AsyncFencedClient", "FencedClient", "fence_request", "raise_for_refusal"]
+__all__ = ["AsyncFencedClient", "FencedClient", "check_redirect", "fence_request",
+           "raise_for_refusal"]
+
+
+_SENT = "toolguard.fenced"  # request extension: (origin, id) of the request fenced here
 
 
 def fence_request(request: httpx.Request) -> httpx.Request:
@@ -42,7 +47,42 @@ def fence_request(request: httpx.Request) -> httpx.Request:
         if name == IDEMPOTENCY_KEY_HEADER and own_key:
             continue
         request.headers[name] = value
+    request.extensions = {**request.extensions, _SENT: (_origin(request.url), id(request))}
     return request
+
+
+def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    return (url.scheme, url.host, url.port)
+
+
+def check_redirect(request: httpx.Request) -> None:
+    """A redirect hop of a fenced request (httpx ``follow_redirects``), before it is sent.
+
+    To another origin it is refused (``fenced_redirect``): the lease's tokens and the
+    idempotency key are for the service the tool called, not for whoever it points at.
+    Within the origin, a hop whose method became a safe one (``303`` after a ``POST``)
+    drops ``Idempotency-Key``: the key names the write, and the service would refuse
+    the read as that key reused for another request.
+    """
+    sent = request.extensions.get(_SENT)
+    if sent is None or sent[1] == id(request):
+        return
+    if _origin(request.url) != sent[0]:
+        msg = (f"a fenced request was redirected to another origin ({request.url.scheme}://"
+               f"{request.url.host}): not followed, its fences are for the service it was sent to")
+        raise ToolGuardError(msg, reason="fenced_redirect")
+    if request.method.upper() in SAFE_METHODS:
+        request.headers.pop(IDEMPOTENCY_KEY_HEADER, None)
+
+
+async def _acheck_redirect(request: httpx.Request) -> None:
+    check_redirect(request)
+
+
+def _with_hook(hooks: Any, hook: Any) -> dict[str, list[Any]]:
+    out = {name: list(found) for name, found in dict(hooks).items()}
+    out["request"] = [*out.get("request", []), hook]
+    return out
 
 
 def _problem(response: httpx.Response) -> dict[str, Any] | None:
@@ -72,6 +112,7 @@ class FencedClient(httpx.Client):
 
     def __init__(self, *args: Any, raise_refusals: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.event_hooks = _with_hook(self.event_hooks, check_redirect)
         self.raise_refusals = raise_refusals
 
     def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
@@ -87,6 +128,7 @@ class AsyncFencedClient(httpx.AsyncClient):
 
     def __init__(self, *args: Any, raise_refusals: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.event_hooks = _with_hook(self.event_hooks, _acheck_redirect)
         self.raise_refusals = raise_refusals
 
     async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:

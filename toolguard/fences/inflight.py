@@ -11,7 +11,11 @@ whole of it. A registry answers that before the fenced transaction opens:
   request runs (``pg_try_advisory_xact_lock``: never waits). It covers every
   process and machine on that database and ends with the connection, so a
   crashed service frees its keys at once. Two keys with one hash would give a
-  spurious 409, never a wrong result.
+  spurious 409, never a wrong result. A marker's request needs a second
+  connection for its fenced transaction, so at most half the pool holds
+  markers at once (the others wait for a turn, within the pool's timeout):
+  markers alone can never take every connection and starve their own
+  transactions.
 * ``LocalInFlight`` is a set in this process: the default for SQLite, whose
   services run on one machine. Several processes on one SQLite file see each
   other's requests as "wait, then replay" instead of 409.
@@ -25,6 +29,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from toolguard.errors import BackendUnavailable, GuardMisconfigured
 from toolguard.store import AsyncGuardedStore
 
 __all__ = ["InFlightRegistry", "LocalInFlight", "PostgresInFlight", "default_registry"]
@@ -62,15 +67,46 @@ class LocalInFlight:
 
 
 class PostgresInFlight:
-    """In-flight keys as advisory locks in the service's PostgreSQL database."""
+    """In-flight keys as advisory locks in the service's PostgreSQL database.
 
-    def __init__(self, store: Any, *, namespace: str | None = None) -> None:
+    ``markers`` bounds the connections held by markers at once (default: half
+    the store's pool, which must have at least 2: one marker, one transaction).
+    """
+
+    def __init__(self, store: Any, *, namespace: str | None = None,
+                 markers: int | None = None) -> None:
         self.store = store
         schema = getattr(store, "schema", None) or ""
         self.namespace = namespace if namespace is not None else f"toolguard.inflight:{schema}:"
+        pool = getattr(store, "pool_max_size", None)
+        if markers is None:
+            markers = pool // 2 if isinstance(pool, int) else 5
+        if isinstance(pool, int) and not 0 < markers < pool:
+            msg = (f"the store's pool has {pool} connection(s): a fenced request holds an "
+                   f"in-flight marker and a transaction at once, so give the store "
+                   f"max_size >= 2 and at most max_size - 1 markers (got {markers})")
+            raise GuardMisconfigured(msg)
+        self.markers = markers
+        self._turns = asyncio.Semaphore(markers)
+        self._timeout_s = float(getattr(store, "pool_timeout_s", 10.0))
 
     @contextlib.asynccontextmanager
     async def hold(self, key: str) -> AsyncIterator[bool]:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._turns.acquire()
+        except TimeoutError:
+            msg = (f"postgresql: no connection for an in-flight marker within "
+                   f"{self._timeout_s:g} s ({self.markers} requests hold one)")
+            raise BackendUnavailable(msg) from None
+        try:
+            async with self._marker(key) as held:
+                yield held
+        finally:
+            self._turns.release()
+
+    @contextlib.asynccontextmanager
+    async def _marker(self, key: str) -> AsyncIterator[bool]:
         import psycopg
 
         async with self.store.connection() as conn:

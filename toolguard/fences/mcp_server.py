@@ -33,9 +33,19 @@ from fastmcp.tools.base import ToolResult
 from mcp.shared.exceptions import MCPError
 from pydantic import TypeAdapter
 
-from toolguard.fences.gate import Answer, Applied, Declined, FenceGate, Outcome, Refused, ServiceFence
+from toolguard.errors import GuardMisconfigured, ToolGuardError
+from toolguard.fences.gate import (
+    Answer,
+    Applied,
+    Declined,
+    FenceGate,
+    Outcome,
+    Refused,
+    ServiceFence,
+    audit_name,
+)
 from toolguard.fences.inflight import InFlightRegistry
-from toolguard.fences.problems import FencesRequired, Problem
+from toolguard.fences.problems import FencesRequired, KeyNotFenced, Problem
 from toolguard.fences.wire import (
     FENCING_TOKEN_HEADER,
     IDEMPOTENCY_KEY_HEADER,
@@ -49,6 +59,8 @@ from toolguard.intent import canonical_json
 __all__ = ["REPLAYED_META_KEY", "FenceToolMiddleware"]
 
 REPLAYED_META_KEY = "toolguard/replayed"
+#: The bound on a fenced call's arguments (canonical JSON), as ``FenceMiddleware`` bounds bodies.
+DEFAULT_MAX_ARGUMENT_BYTES = 1 << 20
 _CONTENT = TypeAdapter(list[mcp_types.ContentBlock])
 
 
@@ -60,23 +72,36 @@ class FenceToolMiddleware(Middleware):
     """Fences every ``tools/call`` that carries fences or whose tool ``require(name)`` names.
 
     ``store`` is the server's own installed ``AsyncGuardedStore``; ``inflight``
-    as for ``FenceMiddleware``.
+    as for ``FenceMiddleware``; ``max_argument_bytes`` bounds a fenced call's
+    arguments as canonical JSON (``request_too_large``, as a REST body over
+    ``max_body_bytes``).
     """
 
     def __init__(self, *, store: Any, require: Callable[[str], bool] = _every_tool,
-                 inflight: InFlightRegistry | None = None) -> None:
-        self.gate = FenceGate(store, inflight=inflight)
+                 inflight: InFlightRegistry | None = None,
+                 max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES) -> None:
+        self.gate = FenceGate(store, inflight=inflight, where="FenceToolMiddleware")
+        if (not isinstance(max_argument_bytes, int) or isinstance(max_argument_bytes, bool)
+                or max_argument_bytes < 0):
+            msg = (f"FenceToolMiddleware: max_argument_bytes must be an int >= 0, "
+                   f"got {max_argument_bytes!r}")
+            raise GuardMisconfigured(msg)
+        self.max_argument_bytes = max_argument_bytes
+        given: object = require  # untyped callers may pass anything
+        if not callable(given):
+            msg = f"FenceToolMiddleware: require must be a function of the tool name, got {require!r}"
+            raise GuardMisconfigured(msg)
         self.require = require
 
     async def on_call_tool(self, context: MiddlewareContext[mcp_types.CallToolRequestParams],
                            call_next: CallNext[mcp_types.CallToolRequestParams, ToolResult]
                            ) -> ToolResult:
-        name = context.message.name
+        name = audit_name(context.message.name)  # the exact name is in the digest below
         try:
             fences = parse_meta(_request_meta(context))
         except WireError as error:
             raise _mcp_error((await self.gate.refuse(error, tool=name)).problem) from None
-        if not fences.present and not self.require(name):
+        if not fences.present and not self.require(context.message.name):
             return await call_next(context)
         missing = tuple(META_KEYS[h] for h, v in ((FENCING_TOKEN_HEADER, fences.tokens),
                                                   (IDEMPOTENCY_KEY_HEADER, fences.idempotency_key))
@@ -92,15 +117,38 @@ class FenceToolMiddleware(Middleware):
             refused = await self.gate.refuse(WireError(f"arguments are not JSON: {error}",
                                                        field="arguments"), tool=name, fences=fences)
             raise _mcp_error(refused.problem) from None
-        digest = request_digest("tools/call", name, arguments)
+        size = len(arguments.encode("utf-8", "surrogatepass"))
+        if size > self.max_argument_bytes:
+            msg = (f"the arguments are {size} bytes as JSON, more than {self.max_argument_bytes}: "
+                   f"nothing was run")
+            refused = await self.gate.refuse(ToolGuardError(msg, reason="request_too_large"),
+                                             tool=name, fences=fences)
+            raise _mcp_error(refused.problem)
+        digest = request_digest("tools/call", context.message.name, arguments)
 
         async def serve(_: ServiceFence) -> Answer:
-            result = await call_next(context)
+            try:
+                result = await call_next(context)
+            except Exception as error:  # FastMCP wraps the tool's exception in a ToolError
+                refusal = _key_not_fenced(error)
+                if refusal is not None:
+                    raise refusal from None
+                raise
             if result.is_error:
                 return Answer(result, commit=False, detail="error result: rolled back")
             return Answer(result, record=_record(result), detail="ok")
 
         return _result(await self.gate.run(fences, tool=name, digest=digest, handler=serve))
+
+
+def _key_not_fenced(error: BaseException) -> KeyNotFenced | None:
+    """The ``KeyNotFenced`` the tool raised (``current_fence().require``), under FastMCP's wrap."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None or isinstance(seen, KeyNotFenced):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _request_meta(context: MiddlewareContext[Any]) -> Mapping[str, Any] | None:

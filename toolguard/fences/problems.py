@@ -12,10 +12,13 @@ reason                HTTP    MCP code    when
 ====================  ======  ==========  ===============================================
 invalid_fence_header  400     -32602      a fence header is malformed, oversized or repeated
 fences_required       428     -32071      the route or tool needs fences and got none
+key_not_fenced        428     -32077      the handler writes a key the request has no fence for
 stale_fencing_token   409     -32072      the service has seen a newer token for a key
 in_flight             409     -32073      a request with this idempotency key is still running
 idempotency_conflict  422     -32074      the key was used for another request
 request_too_large     413     -32602      the request body is over the middleware's bound
+request_incomplete    400     -32602      the client left before the end of the request body
+fences_unsupported    400     -32602      fences on a request that cannot be fenced (a websocket)
 backend_unavailable   503     -32075      the service's fence store cannot be reached
 store_error           500     -32076      the fence store refused (schema missing, ...)
 ====================  ======  ==========  ===============================================
@@ -32,6 +35,7 @@ from typing import Any
 from toolguard.errors import (
     BackendUnavailable,
     IdempotencyConflict,
+    IntentRejected,
     InvalidFencingToken,
     StaleFencingToken,
     StoreError,
@@ -43,6 +47,7 @@ __all__ = [
     "MCP_CODES",
     "FencesRequired",
     "InFlight",
+    "KeyNotFenced",
     "Problem",
     "error_from_problem",
     "problem_from_error",
@@ -55,10 +60,13 @@ _STATUS: Mapping[str, tuple[int, str]] = {
     "invalid_fence_header": (400, "Malformed fence header"),
     "invalid_fencing_token": (400, "Invalid fencing token"),
     "fences_required": (428, "Fences required"),
+    "key_not_fenced": (428, "Key not fenced"),
     "stale_fencing_token": (409, "Stale fencing token"),
     "in_flight": (409, "Request still in flight"),
     "idempotency_conflict": (422, "Idempotency key reused"),
     "request_too_large": (413, "Request too large"),
+    "request_incomplete": (400, "Incomplete request"),
+    "fences_unsupported": (400, "Request cannot be fenced"),
     "backend_unavailable": (503, "Fence store unavailable"),
     "store_error": (500, "Fence store error"),
 }
@@ -69,10 +77,13 @@ MCP_CODES: Mapping[str, int] = {
     "invalid_fence_header": -32602,
     "invalid_fencing_token": -32602,
     "fences_required": -32071,
+    "key_not_fenced": -32077,
     "stale_fencing_token": -32072,
     "in_flight": -32073,
     "idempotency_conflict": -32074,
     "request_too_large": -32602,
+    "request_incomplete": -32602,
+    "fences_unsupported": -32602,
     "backend_unavailable": -32075,
     "store_error": -32076,
 }
@@ -86,6 +97,20 @@ class FencesRequired(ToolGuardError):
     def __init__(self, message: str, *, missing: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+class KeyNotFenced(IntentRejected):
+    """The handler writes a resource the request's lease does not hold a fence for.
+
+    Raised by ``ServiceFence.require(key, ...)`` inside the fenced transaction:
+    the request is rolled back (its fences too) and answered ``428``.
+    """
+
+    reason = "key_not_fenced"
+
+    def __init__(self, message: str, *, keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.keys = keys
 
 
 class InFlight(ToolGuardError):
@@ -134,6 +159,8 @@ def problem_from_error(error: ToolGuardError) -> Problem:
         return Problem(error.reason, error.message, {"field": error.field})
     if isinstance(error, FencesRequired):
         return Problem(error.reason, error.message, {"missing": list(error.missing)})
+    if isinstance(error, KeyNotFenced):
+        return Problem(error.reason, error.message, {"keys": list(error.keys)})
     if isinstance(error, InFlight | IdempotencyConflict):
         key = getattr(error, "idempotency_key", None)
         return Problem(error.reason, error.message, {"idempotency_key": key} if key else {})
@@ -162,6 +189,10 @@ def error_from_problem(body: Mapping[str, Any]) -> ToolGuardError | None:
         missing = body.get("missing")
         return FencesRequired(text, missing=tuple(str(m) for m in missing)
                               if isinstance(missing, list) else ())
+    if reason == "key_not_fenced":
+        keys = body.get("keys")
+        return KeyNotFenced(text, keys=tuple(str(k) for k in keys)
+                            if isinstance(keys, list) else ())
     if reason == "backend_unavailable":
         return BackendUnavailable(text)
     if reason in ("invalid_fence_header", "invalid_fencing_token"):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ META_KEYS: Mapping[str, str] = {
     AGENT_HEADER: "toolguard/agent",
     INTENT_HEADER: "toolguard/intent",
 }
+_META_PREFIX = "toolguard/"
 _HEADER_NAMES = {name.lower().encode("ascii"): name for name in META_KEYS}
 
 #: Bounds that keep a hostile header from costing memory or CPU (each field, encoded).
@@ -150,6 +152,7 @@ class Fences:
         for name, value in self._texts():
             if value is not None:
                 _check_text(value, name)
+                _check_size(value, name)  # what the server refuses is refused before it leaves
                 out[META_KEYS[name]] = value
         return out
 
@@ -388,10 +391,30 @@ def parse_headers(raw: Iterable[tuple[bytes, bytes]]) -> Fences:
     return _fences(seen, text=decode_text)
 
 
-def parse_meta(meta: Mapping[str, Any] | None) -> Fences:
-    """The fence fields of an MCP request's ``_meta`` (other keys are ignored)."""
-    if not meta:
+def parse_meta(meta: object) -> Fences:
+    """The fence fields of an MCP request's ``_meta`` (keys outside ``toolguard/`` are ignored).
+
+    A key in the ``toolguard/`` namespace that is not one of ``META_KEYS``, matched
+    case-insensitively and after Unicode compatibility folding (``Toolguard/Fencing-Token``,
+    a full-width letter, a trailing space), is refused: it is a fence the sender meant
+    to send, and the exact key may carry another value beside it.
+    """
+    if meta is None:
         return Fences()
+    if not isinstance(meta, Mapping):
+        msg = f"expected an object, got {type(meta).__name__}"
+        raise WireError(msg, field="_meta")
+    known = set(META_KEYS.values())
+    for name in meta:
+        if not isinstance(name, str) or name in known:
+            continue
+        folded = unicodedata.normalize("NFKC", name).casefold().strip()
+        if folded.startswith(_META_PREFIX):
+            closest = next((k for k in known if k == folded), None)
+            hint = f" (the key is {closest!r}, exactly)" if closest else ""
+            msg = f"not a toolguard _meta key{hint}: toolguard sends only {sorted(known)}"
+            raise WireError(msg, field=name if name.isprintable() and len(name) <= 100
+                            else _shown(name))
     values: dict[str, str] = {}
     for name, key in META_KEYS.items():
         if key not in meta:
@@ -434,7 +457,9 @@ def request_digest(*parts: bytes | str) -> str:
 
 
 def _check_size(text: str, field: str) -> None:
-    if len(text) > MAX_FIELD_BYTES:
+    """At most ``MAX_FIELD_BYTES`` UTF-8 bytes (a ``_meta`` string may hold any characters)."""
+    if len(text) > MAX_FIELD_BYTES or (
+            not text.isascii() and len(text.encode("utf-8", "surrogatepass")) > MAX_FIELD_BYTES):
         msg = f"longer than {MAX_FIELD_BYTES} bytes"
         raise WireError(msg, field=field)
 

@@ -910,6 +910,10 @@ class AsyncPostgresStore(_PgBase):
     def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
                  max_size: int = 10, timeout_s: float = 10.0, install: bool = False) -> None:
         super().__init__(url, schema)
+        #: The pool's bounds, for callers that hold a connection while they need another
+        #: (``toolguard.fences.inflight``).
+        self.pool_max_size = max_size
+        self.pool_timeout_s = timeout_s
         #: ``install=True``: the schema is installed (or upgraded) before the first operation.
         self._install_pending = install
         self._install_lock = asyncio.Lock()

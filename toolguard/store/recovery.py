@@ -15,7 +15,10 @@ server cannot cause it: a newer holder needs this lease to expire first, and
 the lease's local deadline passes before the server's. Either way the attempt
 was rolled back, so ``run_fenced`` re-seeds and retries once with a fresh
 lease (the body runs again and re-reads inside its transaction). A lost
-lease means someone newer may have written: that rejection stands.
+lease means someone newer may have written: that rejection stands. The floor
+also rises to the refusal's own ``current`` (a fenced service's high-water,
+which the guard's store never sees), so a service that has seen newer tokens
+than the lock server stops refusing every call once the retry clears it.
 
 Callers who hold a lease and call ``store.fenced(lease, intent)`` themselves
 ("acquire now, write later") get the same step from ``reseed_if_regressed``:
@@ -73,6 +76,9 @@ __all__ = [
 log = logging.getLogger("toolguard.store")
 
 T = TypeVar("T")
+
+#: Tokens below this are minted exactly by every lock server (a double's integer range).
+_EXACT_TOKENS = 2**53 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +148,23 @@ async def areseed(locks: AsyncLockManager, store: AsyncGuardedStore,
     if floors:
         log.warning("re-seeded lock tokens from the store: %s", floors)
     return floors
+
+
+def _refusal_floor(lease: Lease, stale: StaleFencingToken) -> dict[str, int]:
+    """The floor the refusal itself names: its key and ``current``, when above the lease's token.
+
+    A fenced service (``toolguard.fences``) keeps high-water marks of its own that the
+    guard's store never sees: its refusal's ``current`` is the only place they show. Raising
+    the floor to it only makes later tokens larger. A ``current`` at or past 2^53 is left
+    alone (the call stays refused): not every lock server mints tokens above it exactly
+    (Redis scripts count in doubles, where 2^53 + 1 is 2^53), and a token equal to the
+    service's would be accepted as the same lease's.
+    """
+    current, token = stale.current, lease.tokens.get(stale.key)
+    if (isinstance(current, int) and not isinstance(current, bool) and token is not None
+            and token < current < _EXACT_TOKENS):
+        return {stale.key: current}
+    return {}
 
 
 def _regressed(lease: Lease, stale: StaleFencingToken) -> bool:
@@ -221,6 +244,7 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
             if not regressed:
                 raise
             reseed(locks, store, lease.keys)
+            _raise_floors(locks.raise_floor, _refusal_floor(lease, stale))
         finally:
             with contextlib.suppress(Exception):
                 lease.release()
@@ -258,6 +282,14 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
             if not regressed:
                 raise
             await areseed(locks, store, lease.keys)
+            for key, floor in _refusal_floor(lease, stale).items():
+                try:
+                    await locks.raise_floor(key, floor)
+                except ToolGuardError:
+                    raise
+                except Exception as error:
+                    msg = f"could not re-seed lock {key!r} to {floor}: {error}"
+                    raise BackendUnavailable(msg) from error
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(lease.arelease())
