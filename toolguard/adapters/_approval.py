@@ -15,7 +15,7 @@ from langgraph.types import interrupt
 
 from toolguard.steps.approval import Interrupt
 
-__all__ = ["GraphInterrupt", "graph_interrupt"]
+__all__ = ["TaskInterrupt", "graph_interrupt"]
 
 try:  # where LangGraph keeps the task's interrupt bookkeeping (present only inside a graph)
     from langgraph._internal._constants import CONFIG_KEY_SCRATCHPAD
@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - a LangGraph that moved it
     CONFIG_KEY_SCRATCHPAD = "__pregel_scratchpad"
 
 
-class GraphInterrupt:
+class TaskInterrupt:
     """LangGraph's ``interrupt`` for one task, which also says whether the task was resumed.
 
     The approval step asks with it, and on a re-run of a resumed task reads
@@ -52,5 +52,5 @@ def graph_interrupt(config: Any = None) -> Interrupt | None:
     for current in (config, var_child_runnable_config.get()):
         configurable = current.get("configurable") if isinstance(current, dict) else None
         if isinstance(configurable, dict) and CONFIG_KEY_SCRATCHPAD in configurable:
-            return GraphInterrupt(configurable[CONFIG_KEY_SCRATCHPAD])
+            return TaskInterrupt(configurable[CONFIG_KEY_SCRATCHPAD])
     return None
