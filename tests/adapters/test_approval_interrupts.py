@@ -80,3 +80,23 @@ def test_each_of_the_tools_interrupts_gets_its_answer_after_an_approval(guarded,
     out = run(app, mode, resume(True, confirm, "yes"), config)
 
     assert answers(out)["c1"].content == "sent 70 ref=INV-9 confirmed=yes"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_approval_given_in_another_thread_leaves_the_tools_answers_alone(guarded,
+                                                                           mode: str) -> None:
+    """A business key finds the request another thread asked and a person approved there."""
+    g = guarded({"version": 1, "defaults": {"agents": ["*"]}, "tools": {
+        "pay": {"locks": ["payment:{amount}"], "idempotency_key": "pay:{amount}",
+                "approval": {"when": {"amount": {"gt": 10}}, "expires": "10m"}}}})
+    app = one_node(node(g.guard, [pay]), checkpointer=InMemorySaver())
+    first, second = ({"configurable": {"thread_id": t}} for t in ("t1", "t2"))
+    (approval,) = run(app, mode, ai(tool_call("pay", {"amount": 50}, "p1")), first)["__interrupt__"]
+    run(app, mode, resume(True, approval, "approve"), first)  # then it asks its question there
+
+    (question,) = run(app, mode, ai(tool_call("pay", {"amount": 50}, "p2")), second)["__interrupt__"]
+    assert question.value == "which note?"  # approved already: only the tool asks
+    out = run(app, mode, resume(True, question, "rent"), second)
+
+    assert answers(out)["p2"].content == "paid 50, note 'rent'"
+    assert [d for d, _ in g.decisions("p2")] == ["unknown", "accepted"]

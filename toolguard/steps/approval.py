@@ -32,7 +32,8 @@ the request is decided, a re-run of a task that was resumed takes back the
 answers the step read when it asked (it reads them again, as it did, without
 deciding anything), so an ``interrupt()`` of the tool itself gets its own
 answer, not the person's approval. The interrupt says whether the task was
-resumed (``resumed()``); one that cannot say is never read again.
+resumed (``resumed()``); one that cannot say is never read again, nor is a
+request made in another workflow (it was asked, if at all, in another task).
 
 In ``mode: shadow`` no request is made and nobody is asked: a call that
 would need approval is recorded as the would-be refusal ``approval_required``.
@@ -249,7 +250,7 @@ def approve(book: ApprovalBook | None, prepared: Prepared, facts: CallFacts,
         if interrupt is None:
             raise
         return book.check(rule, facts, resume=_ask(book, interrupt, asked, facts, call_id))
-    if interrupt is not None and _resumed(interrupt):
+    if interrupt is not None and record.workflow == facts.workflow and _resumed(interrupt):
         _reread(book, interrupt, record, facts, call_id)
     return approved
 
@@ -285,6 +286,6 @@ async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: Ca
             raise
         return await book.check(rule, facts,
                                 resume=await _aask(book, interrupt, asked, facts, call_id))
-    if interrupt is not None and _resumed(interrupt):
+    if interrupt is not None and record.workflow == facts.workflow and _resumed(interrupt):
         await _areread(book, interrupt, record, facts, call_id)
     return approved
