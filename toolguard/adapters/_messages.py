@@ -31,6 +31,7 @@ __all__ = [
     "recordable",
     "refusal_message",
     "replayed_message",
+    "replayed_value",
     "terminating_message",
     "unknown_tool_message",
 ]
@@ -85,7 +86,7 @@ def recordable(output: Any, call_id: str | None) -> Any:
         raise ToolFailed(f"the tool reported an error: {_content_text(message.content)}")
     if message is not None or isinstance(output, Command):
         return record_of(output, message, call_id)
-    if isinstance(output, list):
+    if isinstance(output, list) and any(isinstance(item, ToolMessage | Command) for item in output):
         return {"command": True}
     try:
         json.dumps(output)
@@ -141,6 +142,22 @@ def replayed_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage
     """The recorded answer of an intent that already ran, as the graph got it the first time."""
     recorded = decision.result if isinstance(decision.result, dict) else {"content": decision.result}
     return replayed_answer(recorded, call)
+
+
+def replayed_value(decision: Decision, call: Mapping[str, Any]) -> Any:
+    """The recorded answer of a call made with plain arguments: the value the tool returned.
+
+    A JSON value comes back as the tool returned it the first time (a dict,
+    a list, a number, ``None``), not as the text a ToolMessage would carry; an
+    answer JSON could not hold comes back as its recorded text. A ``Command``
+    is rebuilt as for a tool call.
+    """
+    recorded = decision.result
+    if not isinstance(recorded, dict):
+        return recorded
+    if isinstance(recorded.get("command"), Mapping):
+        return replayed_answer(recorded, call)
+    return recorded.get("content")
 
 
 def refusal_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage:

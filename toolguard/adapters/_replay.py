@@ -5,7 +5,11 @@ the node; a call that already applied is then answered from its record. The
 graph must go on as if the tool had run again, so the record keeps the whole
 answer, not only its text:
 
-- a ``ToolMessage``: its content and its artifact;
+- a ``ToolMessage``: its content, its artifact, and what a tool answering
+  with a message of its own put on it (id, name, ``additional_kwargs``,
+  ``response_metadata``); the id is given back only to the call the record
+  answered, so a new call replaying it under a business key never takes the
+  place of the earlier call's answer in the state;
 - a ``Command``: its state update (messages as LangChain's own message
   dicts, other values as JSON), its ``goto`` (nodes and ``Send``) and its
   ``graph``, and the id of the call it answered, so that the replay answers
@@ -51,8 +55,14 @@ def record_of(output: Any, message: ToolMessage | None, call_id: str | None) -> 
     try:
         if isinstance(output, Command):
             return {"content": content, "call_id": call_id, "command": _command(output)}
-        if isinstance(output, ToolMessage) and output.artifact is not None:
-            return {"content": content, "artifact": _json(output.artifact)}
+        if isinstance(output, ToolMessage):
+            record: dict[str, Any] = {"content": content}
+            if output.artifact is not None:
+                record["artifact"] = _json(output.artifact)
+            own = _own_fields(output)
+            if own:
+                record.update(message=own, call_id=call_id)
+            return record
     except _NotJson as error:
         name = message.name if message is not None and message.name else "?"
         if name not in _warned:
@@ -81,8 +91,9 @@ def replayed_answer(recorded: Mapping[str, Any], call: Mapping[str, Any]) -> Too
     content = recorded.get("content", REDACTED)
     if not isinstance(content, str | list):
         content = json.dumps(content, default=str)
-    return ToolMessage(content=content, tool_call_id=call_id, name=name, status="success",
-                       artifact=recorded.get("artifact"))
+    own = _rebuilt_fields(recorded.get("message"), recorded.get("call_id"), call_id, name)
+    return ToolMessage(content=content, tool_call_id=call_id, status="success",
+                       artifact=recorded.get("artifact"), **{"name": name, **own})
 
 
 # --- recording ------------------------------------------------------------------------------
@@ -94,6 +105,20 @@ def _json(value: Any) -> Any:
     except (TypeError, ValueError) as error:
         raise _NotJson(f"a {type(value).__name__} value") from error
     return value
+
+
+#: The fields of a tool's own ToolMessage a replay gives back (beyond content and artifact).
+_OWN_FIELDS = ("id", "name", "additional_kwargs", "response_metadata")
+#: toolguard's own key under ``response_metadata``: each decision writes its own.
+_DECISION_KEY = "toolguard"
+
+
+def _own_fields(message: ToolMessage) -> dict[str, Any]:
+    fields = {"id": message.id, "name": message.name,
+              "additional_kwargs": message.additional_kwargs,
+              "response_metadata": {k: v for k, v in message.response_metadata.items()
+                                    if k != _DECISION_KEY}}
+    return {key: _json(value) for key, value in fields.items() if value}
 
 
 def _command(command: Command[Any]) -> dict[str, Any]:
@@ -122,6 +147,22 @@ def _goto(goto: Any) -> Any:
 
 
 # --- replaying ------------------------------------------------------------------------------
+
+
+def _rebuilt_fields(kept: Any, answered: Any, call_id: str, name: str) -> dict[str, Any]:
+    """The tool's own message fields to give back; none if redaction masked their names."""
+    if not isinstance(kept, Mapping):
+        return {}
+    if REDACTED in kept:
+        logger.warning("the recorded message of tool %r lost its field names to redaction: its "
+                       "replay answers with the recorded content and artifact only", name)
+        return {}
+    types = {"id": str, "name": str, "additional_kwargs": dict, "response_metadata": dict}
+    own = {key: kept[key] for key in _OWN_FIELDS
+           if key in kept and isinstance(kept[key], types[key])}
+    if not call_id or answered != call_id:
+        own.pop("id", None)  # another call: its answer is a message of its own
+    return own
 
 
 def _rebuilt_command(recorded: Mapping[str, Any], answered: Any, call_id: str) -> Command[Any]:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import uuid
+import warnings
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Generic, ParamSpec, TypeVar, cast
+from typing import Any, Generic, ParamSpec, Self, TypeVar, cast, overload
 
 from toolguard.context import CallContext
 from toolguard.envelope import untrusted_intent
-from toolguard.errors import GuardMisconfigured
+from toolguard.errors import GuardMisconfigured, UnknownToolWarning
 from toolguard.guard import Decision, ToolGuard
 from toolguard.intent import Intent
 
@@ -31,6 +33,10 @@ class GuardedFunction(Generic[P, R]):
     (a bad one is refused as ``invalid_intent``, audited); giving a call id and
     a thread makes retries exactly-once. Inside, the function reads its lease
     and fenced transaction from ``toolguard.current()``.
+
+    Defined in a class body it is a method, as a function there is: read off
+    an instance it is bound to it (``repo.rescore(lead_id="7")``), and its
+    first parameter is the instance, never one of the tool's arguments.
     """
 
     __name__: str  # the function's, as functools.update_wrapper copies it (with __doc__ and more)
@@ -48,8 +54,43 @@ class GuardedFunction(Generic[P, R]):
         self.agent = agent
         self.is_async = inspect.iscoroutinefunction(function)
         self._signature = inspect.signature(function)
+        #: True once it is a class attribute: its first parameter is then the instance.
+        self._method = False
         guard.register(name, function, stacklevel=stacklevel + 1)
         functools.update_wrapper(self, function)
+        if self.is_async:
+            _mark_coroutine_function(self, function)
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        """A method: the tool's arguments are its parameters after the instance."""
+        parameters = list(self._signature.parameters.values())
+        if not parameters or parameters[0].kind not in (inspect.Parameter.POSITIONAL_ONLY,
+                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            return
+        self._method = True
+        source = _with_signature(self.function, self._signature.replace(parameters=parameters[1:]))
+        with warnings.catch_warnings():  # a name the policy does not know warned at decoration
+            warnings.simplefilter("ignore", UnknownToolWarning)
+            self.guard.register(self.name, source)
+
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> Self: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> GuardedFunction[..., R]: ...
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        """Read off an instance, a method is bound to it (a copy whose target has the instance)."""
+        if instance is None or not self._method:
+            return self
+        bound = copy.copy(self)
+        bound._method = False
+        bound._target = functools.partial(cast(Callable[..., Any], self.function), instance)
+        parameters = list(self._signature.parameters.values())[1:]
+        bound._signature = self._signature.replace(parameters=parameters)
+        bound.__signature__ = bound._signature  # type: ignore[attr-defined]
+        bound.__self__ = instance  # type: ignore[attr-defined]
+        return bound
 
     def intent(self, args: Any, *, agent: Any = None, call_id: Any = None, thread_id: Any = None,
                run_id: Any = None, node_attempt: Any = 1) -> Intent:
@@ -71,6 +112,7 @@ class GuardedFunction(Generic[P, R]):
             call_id: str | None = None, thread_id: str | None = None, run_id: str | None = None,
             node_attempt: int = 1) -> Decision:
         """Guard one call of a sync function; the ``Decision``, audited once."""
+        self._check_bound()
         if self.is_async:
             msg = f"{self.name} is a coroutine function: use `await {self.name}.arun(...)`"
             raise GuardMisconfigured(msg)
@@ -82,6 +124,7 @@ class GuardedFunction(Generic[P, R]):
                    call_id: str | None = None, thread_id: str | None = None,
                    run_id: str | None = None, node_attempt: int = 1) -> Decision:
         """The asyncio twin of ``run`` (a sync function runs on the loop: keep it short)."""
+        self._check_bound()
         intent = self.intent(args, agent=agent, call_id=call_id, thread_id=thread_id,
                              run_id=run_id, node_attempt=node_attempt)
         if self.is_async:
@@ -92,7 +135,18 @@ class GuardedFunction(Generic[P, R]):
 
         return await self.guard.arun(intent, execute)
 
+    def _check_bound(self) -> None:
+        if self._method:
+            msg = f"{self.name} is a method: run it on an instance (`obj.{self.name}.run(...)`)"
+            raise GuardMisconfigured(msg)
+
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._method:  # read off the class: the first argument is the instance
+            if not args:
+                msg = f"{self.name}() is a method: call it on an instance"
+                raise TypeError(msg)
+            method: GuardedFunction[..., R] = self.__get__(args[0], type(args[0]))
+            return method(*args[1:], **kwargs)
         bound = self._signature.bind(*args, **kwargs)
         if self.is_async:
             return cast(R, self._acall(dict(bound.arguments)))
@@ -104,6 +158,36 @@ class GuardedFunction(Generic[P, R]):
             return (await self.arun(arguments, call_id=uuid.uuid4().hex)).raise_for_rejection()
 
         return call()
+
+
+def _with_signature(function: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:
+    """A stand-in for ``function`` whose signature is ``signature`` (the schema source of a method)."""
+
+    @functools.wraps(function)
+    def source(*args: Any, **kwargs: Any) -> Any:  # pragma: no cover - only read, never called
+        raise NotImplementedError
+
+    source.__signature__ = signature  # type: ignore[attr-defined]
+    return source
+
+
+def _mark_coroutine_function(wrapper: Any, function: Callable[..., Any]) -> None:
+    """Make ``inspect.iscoroutinefunction(wrapper)`` true, as it is for ``function``.
+
+    Hosts tell async tools from sync ones by it (LangChain's ``@tool`` and
+    ``StructuredTool``, LangGraph's nodes): a guarded coroutine function seen
+    as sync would be called without being awaited. Python 3.12 has a marker
+    for that; on 3.11 ``inspect`` reads the code flags of anything function-like,
+    so the wrapper carries the function's code object, defaults and keyword
+    defaults (its signature still comes from the function, through ``__wrapped__``).
+    """
+    mark = getattr(inspect, "markcoroutinefunction", None)
+    if mark is not None:
+        mark(wrapper)
+        return
+    for attribute in ("__code__", "__defaults__", "__kwdefaults__"):
+        if hasattr(function, attribute):
+            setattr(wrapper, attribute, getattr(function, attribute))
 
 
 def _arguments(ctx: CallContext) -> dict[str, Any]:

@@ -10,7 +10,12 @@ from langchain_core.tools import BaseTool, ToolException
 from pydantic import ConfigDict, PrivateAttr
 
 from toolguard.adapters._approval import graph_interrupt
-from toolguard.adapters._messages import annotate, refusal_message, replayed_message
+from toolguard.adapters._messages import (
+    annotate,
+    refusal_message,
+    replayed_message,
+    replayed_value,
+)
 from toolguard.adapters._outcome import ToolOutcome
 from toolguard.adapters._tools import InjectedKeys, model_arguments, tool_refuses
 from toolguard.adapters.identity import intent_from_call
@@ -94,8 +99,7 @@ class GuardedTool(BaseTool):
             return outcome.output
         is_call = isinstance(tool_input, dict) and tool_input.get("type") == "tool_call"
         if decision.ok:
-            answer = replayed_message(decision, call)
-            return answer if is_call or not isinstance(answer, ToolMessage) else answer.content
+            return replayed_message(decision, call) if is_call else replayed_value(decision, call)
         if decision.reason == "invalid_arguments" and tool_refuses(self.inner, intent.args):
             return _DELEGATE
         if is_call:

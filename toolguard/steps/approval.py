@@ -27,6 +27,14 @@ it, and this call asks again for its own; an answer naming a request that is
 already decided is skipped; one naming no request of this workflow is
 refused (``InvalidResume``). An answer that names no id is this call's.
 
+For the same reason the step keeps its place among the task's interrupts: once
+the request is decided, a re-run of a task that was resumed takes back the
+answers the step read when it asked (it reads them again, as it did, without
+deciding anything), so an ``interrupt()`` of the tool itself gets its own
+answer, not the person's approval. The interrupt says whether the task was
+resumed (``resumed()``); one that cannot say is never read again, nor is a
+request made in another workflow (it was asked, if at all, in another task).
+
 In ``mode: shadow`` no request is made and nobody is asked: a call that
 would need approval is recorded as the would-be refusal ``approval_required``.
 """
@@ -173,6 +181,46 @@ async def _aask(book: AsyncApprovalBook, interrupt: Interrupt, asked: ApprovalRe
     raise _too_many(asked)
 
 
+def _resumed(interrupt: Interrupt) -> bool:
+    resumed = getattr(interrupt, "resumed", None)
+    return bool(resumed()) if callable(resumed) else False
+
+
+def _reread(book: ApprovalBook, interrupt: Interrupt, record: ApprovalRecord, facts: CallFacts,
+            call_id: str | None) -> None:
+    """Read again the answers this call's step read when it asked, up to its own (decides nothing).
+
+    A value that is no answer to a request of this workflow ends the walk: it
+    was read at the place of this step's question all the same (the step had
+    asked there), and the interrupts after it keep theirs.
+    """
+    asked = request_refusal(record)
+    for _ in range(_MAX_ANSWERS):
+        try:
+            resume = _resume(_interrupted(interrupt, _payload(asked, call_id)))
+            other = book.get(resume.approval_id) if resume.approval_id not in (
+                None, asked.approval_id) else None
+            if _whose(resume, asked, other, facts) == "mine":
+                return
+        except InvalidResume:
+            return
+
+
+async def _areread(book: AsyncApprovalBook, interrupt: Interrupt, record: ApprovalRecord,
+                   facts: CallFacts, call_id: str | None) -> None:
+    """The asyncio twin of ``_reread``."""
+    asked = request_refusal(record)
+    for _ in range(_MAX_ANSWERS):
+        try:
+            resume = _resume(_interrupted(interrupt, _payload(asked, call_id)))
+            other = await book.get(resume.approval_id) if resume.approval_id not in (
+                None, asked.approval_id) else None
+            if _whose(resume, asked, other, facts) == "mine":
+                return
+        except InvalidResume:
+            return
+
+
 def _why(book: ApprovalBook | AsyncApprovalBook | None, prepared: Prepared, facts: CallFacts,
          enforcement: Enforcement) -> str | None:
     """Why this call needs a person (None: it does not, or shadow mode only notes it)."""
@@ -200,11 +248,14 @@ def approve(book: ApprovalBook | None, prepared: Prepared, facts: CallFacts,
         if made and interrupt is not None and on_request is not None:
             on_request(request_refusal(record))  # audited once, when made: a re-run finds it
     try:
-        return bind(record, facts, book.clock())
+        approved = bind(record, facts, book.clock())
     except ApprovalRequired as asked:
         if interrupt is None:
             raise
         return book.check(rule, facts, resume=_ask(book, interrupt, asked, facts, call_id))
+    if interrupt is not None and record.workflow == facts.workflow and _resumed(interrupt):
+        _reread(book, interrupt, record, facts, call_id)
+    return approved
 
 
 async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: CallFacts,
@@ -232,9 +283,12 @@ async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: Ca
     # a sibling's interrupt cancels this task mid-step (asyncio.gather): finish the pair anyway
     record = await asyncio.shield(requested())
     try:
-        return bind(record, facts, book.clock())
+        approved = bind(record, facts, book.clock())
     except ApprovalRequired as asked:
         if interrupt is None:
             raise
         return await book.check(rule, facts,
                                 resume=await _aask(book, interrupt, asked, facts, call_id))
+    if interrupt is not None and record.workflow == facts.workflow and _resumed(interrupt):
+        await _areread(book, interrupt, record, facts, call_id)
+    return approved
