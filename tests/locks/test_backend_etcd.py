@@ -1,5 +1,5 @@
-"""etcd-only guarantees: tokens are revisions, FIFO by create_revision, watch wake-ups,
-whole-second leases shared per process, and failover between members.
+"""etcd-only guarantees: tokens are revisions (plus the cluster's epoch), FIFO by create_revision,
+watch wake-ups, whole-second leases shared per process, and failover between members.
 
 The contract suite (``test_contract*.py``) covers the rest. These tests drive the
 backend's single-key primitives directly, on the session's private etcd member
@@ -106,8 +106,10 @@ def test_token_is_the_create_revision_of_the_holders_entry(url: str, unique: str
     before = store_revision(url)
     owner, late = new_owner(5_000), new_owner(5_000)
     first = holder.try_acquire(key, owner, 5_000)
-    assert first.token is not None and first.token > before
-    assert queue_of(url, key)[0][1] == first.token
+    epoch = holder.epoch()
+    assert epoch is not None and epoch > 0  # written by the cluster's first grant
+    assert first.token is not None and first.token - epoch > before
+    assert queue_of(url, key)[0][1] + epoch == first.token
     assert holder.current_token(key) == first.token
 
     queued = waiter.try_acquire(key, late, 5_000)
@@ -115,9 +117,9 @@ def test_token_is_the_create_revision_of_the_holders_entry(url: str, unique: str
     waiting_revision = queue_of(url, key)[1][1]
     holder.release(key, owner)
     second = waiter.try_acquire(key, late, 5_000)
-    # The waiter's token is its entry's create_revision: minted when it queued, but
-    # served strictly in that order, so token order is still grant order.
-    assert second.token == waiting_revision > first.token
+    # The waiter's token is its entry's create_revision (plus the cluster's epoch): minted
+    # when it queued, but served strictly in that order, so token order is still grant order.
+    assert second.token == waiting_revision + epoch > first.token
     waiter.release(key, late)
 
 

@@ -6,13 +6,23 @@ so no key's queue is a prefix of another's)::
     {prefix}q/{key}/{owner}   one entry per contender, attached to its process lease;
                               the holder is the entry with the lowest create_revision
     {prefix}floor/{key}       re-seed offset added to every token of the key (absent: 0)
+    {prefix}epoch             the cluster's epoch, added to every token: the wall clock (us)
+                              of the first grant on this cluster (written once)
 
 ``try_acquire`` is one transaction: "create my entry unless it exists" (compare
 create_revision == 0, put with the lease), plus, in the same step, the reads that
 say whether it is first in line and which entry is just ahead of it.
 
-Tokens are etcd revisions: the create_revision of the holder's entry (plus the
-re-seed offset, 0 unless ``raise_floor`` needed it). The revision is fixed when the
+Tokens are etcd revisions: the create_revision of the holder's entry, plus the
+cluster's epoch, plus the re-seed offset (0 unless ``raise_floor`` needed it).
+The epoch is there for a cluster that lost its data (restored from nothing, a
+member restarted with an empty data dir): its revisions start again at 1, so
+without it the next tokens would be at or below tokens granted before, equal
+ones would be accepted by the store as the same lease's, and a holder from
+before could write after a newer one. A new cluster's epoch is the wall clock
+of its first grant: above every token of the cluster before it, whose epoch was
+older by more than its revision count (etcd commits far fewer than one revision
+per microsecond). The revision is fixed when the
 contender joins the line and handed out only when it is first; entries are served
 in create_revision order, so token order is still grant order. Revisions are
 replicated by Raft, so they survive restarts and leader changes. They are global
@@ -231,6 +241,12 @@ class _Seen:
 def _offset(response: dict[str, Any]) -> int:
     kvs = _kvs(response)
     return int(_unb64(kvs[0].get("value", "")) or b"0") if kvs else 0
+
+
+def _epoch(response: dict[str, Any]) -> int | None:
+    """The cluster's epoch from a range of the epoch key; None when it is not written yet."""
+    kvs = _kvs(response)
+    return int(_unb64(kvs[0].get("value", "")) or b"0") if kvs else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -587,6 +603,7 @@ class EtcdBackend:
         ones just ahead; floor; head]. Failure (already in line): [mine; the ones just
         ahead; floor; head; mark mine held if first, else touch it]."""
         head = _range(names.queue, names.queue_end, limit=1, by_creation=True, values=True)
+        epoch = _range(self._epoch_key)
         failure = [_range(names.entry), head, _range(names.floor), head]
         if entry is not None:
             failure[1] = _range(names.queue, names.queue_end, limit=AHEAD_SEEN, by_creation=True,
@@ -599,6 +616,7 @@ class EtcdBackend:
                              "target": "CREATE", "result": "GREATER",
                              "create_revision": entry.revision - 1}],
                 "success": [_mark_held(names.entry)], "failure": [_touch(names.entry)]}})
+        failure.append(epoch)  # last, as in success
         empty = {"key": _b64(names.queue), "range_end": _b64(names.queue_end),
                  "target": "CREATE", "result": "EQUAL", "create_revision": 0}
         return self._txn(
@@ -615,6 +633,7 @@ class EtcdBackend:
                        newest_first=True, values=True),
                 _range(names.floor),
                 head,
+                epoch,
             ],
             failure=failure,
         )
@@ -627,7 +646,15 @@ class EtcdBackend:
         revision = int(reply["header"]["revision"])
         responses = reply.get("responses", [])
         offset = _offset(responses[2])
+        epoch = _epoch(responses[-1])
         head = _Seen.of(_kvs(responses[3])[0])
+        if epoch is None:  # a new cluster: no token before its epoch is written
+            if reply.get("succeeded"):
+                with self._mutex:
+                    self._entries[(key, owner)] = _Entry(revision=revision, lease_seconds=seconds,
+                                                         ahead=None, seen=revision)
+            self._write_epoch()
+            return None
         if reply.get("succeeded"):
             mine = revision
             ahead = [_Seen.of(kv) for kv in _kvs(responses[1])[1:]]  # mine is the newest
@@ -642,7 +669,7 @@ class EtcdBackend:
         token = None
         if not ahead:
             known = entry.token if entry is not None and entry.revision == mine else None
-            token = known if known is not None else mine + offset
+            token = known if known is not None else mine + epoch + offset
         with self._mutex:
             self._entries[(key, owner)] = _Entry(revision=mine, lease_seconds=seconds,
                                                  ahead=ahead[0].key if ahead else None,
@@ -787,11 +814,16 @@ class EtcdBackend:
             reply = self._txn("read floor", [], [
                 _range(names.floor),
                 _range(names.queue, names.queue_end, limit=1, by_creation=True),
+                _range(self._epoch_key),
             ])
             floor_kvs, head = _kvs(reply["responses"][0]), _kvs(reply["responses"][1])
             current = _offset(reply["responses"][0])
+            epoch = _epoch(reply["responses"][2])
+            if epoch is None:
+                self._write_epoch()
+                continue
             oldest = int(head[0]["create_revision"]) if head else int(reply["header"]["revision"]) + 1
-            needed = token - oldest + 1
+            needed = token - oldest - epoch + 1
             if needed <= current:
                 return
             version = int(floor_kvs[0]["mod_revision"]) if floor_kvs else 0
@@ -811,9 +843,30 @@ class EtcdBackend:
         """The token of the current holder of ``key`` (0 when nobody holds it)."""
         names = _Names.of(self.prefix, key)
         reply = self._txn("read holder", [], [
-            _range(names.queue, names.queue_end, limit=1, by_creation=True), _range(names.floor)])
+            _range(names.queue, names.queue_end, limit=1, by_creation=True), _range(names.floor),
+            _range(self._epoch_key)])
         head = _kvs(reply["responses"][0])
-        return int(head[0]["create_revision"]) + _offset(reply["responses"][1]) if head else 0
+        if not head:
+            return 0
+        epoch = _epoch(reply["responses"][2]) or 0
+        return int(head[0]["create_revision"]) + epoch + _offset(reply["responses"][1])
+
+    @property
+    def _epoch_key(self) -> bytes:
+        return self.prefix + b"epoch"
+
+    def epoch(self) -> int | None:
+        """The cluster's epoch (added to every token); None before the first grant."""
+        return _epoch(self._txn("read epoch", [], [_range(self._epoch_key)])["responses"][0])
+
+    def _write_epoch(self) -> None:
+        """Write the cluster's epoch unless someone did already: the wall clock, in us."""
+        self._txn("write epoch",
+                  compare=[{"key": _b64(self._epoch_key), "target": "CREATE", "result": "EQUAL",
+                            "create_revision": 0}],
+                  success=[{"request_put": {"key": _b64(self._epoch_key),
+                                            "value": _b64(str(time.time_ns() // 1000).encode())}}],
+                  failure=[])
 
     def close(self) -> None:
         """Revoke this process's leases (its entries vanish at once) and drop the client."""

@@ -93,15 +93,45 @@ class SqliteBackend:
 
     # --- plumbing -------------------------------------------------------------------
 
+    def _file(self) -> tuple[int, int] | None:
+        """The lock file's identity (device, inode); None when it does not exist (or in memory)."""
+        if self.path == ":memory:":
+            return (0, 0)
+        try:
+            found = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (found.st_dev, found.st_ino)
+
     def _connection(self) -> sqlite3.Connection:
+        """This thread's connection, to the file now at ``path``.
+
+        An open connection keeps a deleted (or replaced) file alive: a process that
+        kept using it would grant and renew locks nobody else sees, while every other
+        process grants from the new file. So each use checks the file is still the one
+        the connection opened (one ``stat``); if not, the connection is reopened on the
+        file now there (created with the schema if it is gone), as a lock server
+        restarted empty: leases held in the old file are lost at their next renewal,
+        and tokens start again from the clock (the store re-seeds the floors).
+        """
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
-        if db is None or getattr(self._local, "pid", None) != os.getpid():
-            db = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
-                                 isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            self._local.db = db
-            self._local.pid = os.getpid()
+        if db is not None and getattr(self._local, "pid", None) == os.getpid():
+            if self._file() == getattr(self._local, "file", None):
+                return db
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
+            fresh = True
+        else:
+            fresh = self._file() is None
+        db = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
+                             isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        if fresh:
+            db.executescript(SCHEMA)
+        self._local.db = db
+        self._local.pid = os.getpid()
+        self._local.file = self._file()
         return db
 
     @contextlib.contextmanager

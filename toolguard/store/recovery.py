@@ -167,6 +167,44 @@ def _refusal_floor(lease: Lease, stale: StaleFencingToken) -> dict[str, int]:
     return {}
 
 
+@dataclass(frozen=True, slots=True)
+class _Recovery:
+    """What the retry after a regression does first: wait out the leases granted before the
+    loss, then raise the floors of ``keys`` to the store's marks and to ``floors``."""
+
+    keys: tuple[str, ...]
+    floors: Mapping[str, int]
+    settled_at: float  # time.monotonic() when every lease granted before the loss is over
+
+    @classmethod
+    def of(cls, lease: Lease, stale: StaleFencingToken) -> _Recovery:
+        return cls(tuple(lease.keys), _refusal_floor(lease, stale), _settled_at(lease))
+
+    def wait_s(self) -> float:
+        return max(0.0, self.settled_at - time.monotonic())
+
+
+def _settled_at(lease: Lease) -> float:
+    """When every lease granted before the lock server lost its state has run out.
+
+    A server that lost its state also lost the tokens of the leases it had granted
+    and that are still running: their holders learn of it only at their next renewal,
+    and until then a late write of theirs carries a token the store has not seen. It
+    may be above the store's marks, so a floor raised to the marks alone could hand
+    the next holder a token at or below it (equal tokens are accepted as the same
+    lease's), and the late write would then be accepted after the newer one. Every
+    such lease was granted before ``lease`` (the loss came first), so its local
+    deadline passes within one TTL of ``lease``'s grant: the re-seed reads the marks
+    after that, when no late write can commit any more. This assumes no lease on
+    these keys runs for a longer TTL than ``lease``.
+    """
+    return float(lease.acquired_at) + lease.ttl_ms / 1000
+
+
+def _wait_out(lease: Lease) -> None:
+    time.sleep(max(0.0, _settled_at(lease) - time.monotonic()))
+
+
 def _regressed(lease: Lease, stale: StaleFencingToken) -> bool:
     """Pure: a refusal under a lease still held means the lock server regressed."""
     if not lock_regressed(lease, stale):
@@ -189,6 +227,7 @@ def reseed_if_regressed(locks: LockManager, store: GuardedStore, lease: Lease,
     """
     if not _regressed(lease, stale):
         return False
+    _wait_out(lease)
     reseed(locks, store, lease.keys)
     return True
 
@@ -198,6 +237,7 @@ async def areseed_if_regressed(locks: AsyncLockManager, store: AsyncGuardedStore
     """The asyncio twin of ``reseed_if_regressed``."""
     if not _regressed(lease, stale):
         return False
+    await asyncio.sleep(max(0.0, _settled_at(lease) - time.monotonic()))
     await areseed(locks, store, lease.keys)
     return True
 
@@ -224,7 +264,12 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
     """
     ordered = canonical_keys(keys)
     probe = telemetry.start_fenced(intent)
+    recovery: _Recovery | None = None
     for attempt in (1, 2):
+        if recovery is not None:
+            time.sleep(recovery.wait_s())
+            reseed(locks, store, recovery.keys)
+            _raise_floors(locks.raise_floor, recovery.floors)
         lease = probe.acquire(lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s),
                               ordered, attempt)
         held_since = time.monotonic()
@@ -243,8 +288,7 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
             probe.stale(reseeded=regressed)
             if not regressed:
                 raise
-            reseed(locks, store, lease.keys)
-            _raise_floors(locks.raise_floor, _refusal_floor(lease, stale))
+            recovery = _Recovery.of(lease, stale)
         finally:
             with contextlib.suppress(Exception):
                 lease.release()
@@ -261,7 +305,19 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
     """The asyncio twin of ``run_fenced``; ``body`` is a coroutine function."""
     ordered = canonical_keys(keys)
     probe = telemetry.start_fenced(intent)
+    recovery: _Recovery | None = None
     for attempt in (1, 2):
+        if recovery is not None:
+            await asyncio.sleep(recovery.wait_s())
+            await areseed(locks, store, recovery.keys)
+            for key, floor in recovery.floors.items():
+                try:
+                    await locks.raise_floor(key, floor)
+                except ToolGuardError:
+                    raise
+                except Exception as error:
+                    msg = f"could not re-seed lock {key!r} to {floor}: {error}"
+                    raise BackendUnavailable(msg) from error
         lease = await probe.aacquire(
             lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s), ordered, attempt)
         held_since = time.monotonic()
@@ -281,15 +337,7 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
             probe.stale(reseeded=regressed)
             if not regressed:
                 raise
-            await areseed(locks, store, lease.keys)
-            for key, floor in _refusal_floor(lease, stale).items():
-                try:
-                    await locks.raise_floor(key, floor)
-                except ToolGuardError:
-                    raise
-                except Exception as error:
-                    msg = f"could not re-seed lock {key!r} to {floor}: {error}"
-                    raise BackendUnavailable(msg) from error
+            recovery = _Recovery.of(lease, stale)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(lease.arelease())

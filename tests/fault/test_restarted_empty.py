@@ -1,0 +1,276 @@
+"""A lock server (or the store) restarted empty: its state is gone, toolguard must stay safe.
+
+Each scenario starts its own server on a free port (or uses files under ``tmp_path``)
+and wipes it while a holder holds a key, or between two calls on the same key:
+
+* the next call applies (never refused forever), with a token above the store's marks;
+* a holder from before the loss never has its late write accepted after a newer one
+  (it is refused, or its lease is lost);
+* no two holders are granted one key at once.
+
+A holder whose renewal has not run yet is modelled by taking its lease off the
+heartbeat: it still believes it holds the lock until its local deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import RedisServer
+
+from toolguard.errors import LockLost, LockTimeout, StaleFencingToken
+from toolguard.locks import LockManager, connect, heartbeat
+from toolguard.store import GuardedStore, open_store
+from toolguard.store.recovery import run_fenced
+
+pytestmark = pytest.mark.fault
+
+TTL_MS = 1_500
+FUTURE_US = 3600 * 1_000_000  # a lock server whose clock ran an hour ahead
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[GuardedStore]:
+    opened = open_store(f"sqlite:///{tmp_path}/store.db", install=True)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def call(locks: LockManager, store: GuardedStore, key: str) -> Any:
+    return run_fenced(locks, store, [key], lambda tx: "applied", timeout_s=5)
+
+
+def late_write_refused(store: GuardedStore, holder: Any, key: str) -> BaseException | None:
+    """The pre-loss holder writes now; returns the refusal (None: it was accepted)."""
+    before = store.high_water(key)
+    try:
+        with store.fenced(holder):
+            pass
+    except (StaleFencingToken, LockLost) as refused:
+        assert store.high_water(key) == before
+        return refused
+    return None
+
+
+def hold_without_renewal(locks: LockManager, key: str) -> Any:
+    lease = locks.acquire([key], timeout_s=5)
+    heartbeat().remove(lease)  # its renewal has not run yet: it believes it holds the lock
+    return lease
+
+
+# --- Redis ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_redis_restarted_empty_between_calls(private_redis: RedisServer,
+                                             store: GuardedStore) -> None:
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(private_redis.url, ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        first = call(locks, store, key)
+        private_redis.restart()
+        second = call(locks, store, key)
+        assert second.value == "applied"
+        assert second.tokens[key] > first.tokens[key]
+        assert store.high_water(key) == second.tokens[key]
+    finally:
+        locks.close()
+
+
+@pytest.mark.timeout(30)
+def test_redis_restarted_empty_under_a_holder(private_redis: RedisServer,
+                                              store: GuardedStore) -> None:
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(private_redis.url, ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        call(locks, store, key)
+        holder = hold_without_renewal(locks, key)
+        private_redis.restart()
+        after = call(locks, store, key)
+        assert after.value == "applied" and after.tokens[key] > holder.tokens[key]
+        assert late_write_refused(store, holder, key) is not None
+        holder.release()
+    finally:
+        locks.close()
+
+
+@pytest.mark.timeout(30)
+def test_redis_ahead_of_its_clock_restarted_empty_under_a_holder(private_redis: RedisServer,
+                                                                  store: GuardedStore) -> None:
+    """Floors above the server's clock (an earlier re-seed) vanish with the restart: the
+    re-seed from the store's marks alone would hand out the pre-loss holder's own token."""
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(private_redis.url, ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        locks.raise_floor(key, now_us() + FUTURE_US)
+        first = call(locks, store, key)
+        holder = hold_without_renewal(locks, key)
+        assert holder.tokens[key] > first.tokens[key]
+        private_redis.restart()
+        after = call(locks, store, key)  # regressed: re-seeded, then applied
+        assert after.value == "applied" and after.reseeded
+        assert after.tokens[key] > first.tokens[key]
+        refused = late_write_refused(store, holder, key)
+        assert refused is not None, (
+            f"the pre-loss holder's token {holder.tokens[key]} was accepted after the "
+            f"newer grant's {after.tokens[key]}")
+        holder.release()
+        assert call(locks, store, key).tokens[key] > after.tokens[key]
+    finally:
+        locks.close()
+
+
+# --- etcd -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def etcd_member() -> Iterator[Any]:
+    """A private one-member etcd whose data directory the test may wipe."""
+    from etcd_server import EtcdCluster, require_etcd
+
+    require_etcd()
+    cluster = EtcdCluster(1).start()
+    try:
+        yield cluster.members[0]
+    finally:
+        cluster.stop()
+
+
+def restart_etcd_empty(member: Any) -> None:
+    """Stop, wipe the data dir, start a new cluster on the same ports (revisions restart at 1)."""
+    member.stop()
+    shutil.rmtree(member.data_dir, ignore_errors=True)
+    member.launch(member._cluster[0], f"tg-fresh-{uuid.uuid4().hex[:8]}")
+    member.wait_healthy()
+
+
+@pytest.mark.timeout(60)
+def test_etcd_restarted_empty_between_calls(etcd_member: Any, store: GuardedStore) -> None:
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(etcd_member.url, ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        for _ in range(20):  # revisions move with every grant, on every key
+            call(locks, store, key)
+        mark = store.high_water(key)
+        restart_etcd_empty(etcd_member)  # revisions start again at 1
+        after = call(locks, store, key)
+        # The new cluster's epoch keeps its tokens above the old cluster's: no re-seed needed.
+        assert after.value == "applied" and after.tokens[key] > mark
+        assert call(locks, store, key).tokens[key] > after.tokens[key]
+    finally:
+        locks.close()
+
+
+@pytest.mark.timeout(60)
+def test_etcd_with_raised_floors_restarted_empty(etcd_member: Any, store: GuardedStore) -> None:
+    """Floors raised above the clock go with the data: the store's marks re-seed them."""
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(etcd_member.url, ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        locks.raise_floor(key, now_us() + FUTURE_US)
+        call(locks, store, key)
+        mark = store.high_water(key)
+        restart_etcd_empty(etcd_member)
+        after = call(locks, store, key)
+        assert after.value == "applied" and after.reseeded and after.tokens[key] > mark
+        assert call(locks, store, key).tokens[key] > after.tokens[key]
+    finally:
+        locks.close()
+
+
+@pytest.mark.timeout(60)
+def test_etcd_restarted_empty_under_a_holder(etcd_member: Any, store: GuardedStore) -> None:
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(etcd_member.url, ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        call(locks, store, key)
+        mark = store.high_water(key)
+        for i in range(20):  # other keys' grants move the global revision
+            with locks.acquire([f"{key}:other{i}"]):
+                pass
+        holder = hold_without_renewal(locks, key)
+        assert holder.tokens[key] > mark + 1
+        restart_etcd_empty(etcd_member)
+        after = call(locks, store, key)
+        assert after.value == "applied" and after.tokens[key] > holder.tokens[key] > mark
+        refused = late_write_refused(store, holder, key)
+        assert refused is not None, (
+            f"the pre-loss holder's token {holder.tokens[key]} was accepted after the "
+            f"newer grant's {after.tokens[key]}")
+        holder.release()
+        assert call(locks, store, key).tokens[key] > after.tokens[key]
+    finally:
+        locks.close()
+
+
+# --- SQLite ---------------------------------------------------------------------------------
+
+
+def remove_sqlite(path: Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        with_suffix = Path(f"{path}{suffix}")
+        if with_suffix.exists():
+            os.unlink(with_suffix)
+
+
+@pytest.mark.timeout(30)
+def test_sqlite_lock_file_deleted_while_held(tmp_path: Path, store: GuardedStore) -> None:
+    """Two lock managers on one file (as two processes): the file is deleted while one holds.
+
+    The holder's open connection would keep the deleted file alive: it must not go on
+    granting (or renewing) from it while the other manager grants from the new file.
+    """
+    path = tmp_path / "locks.db"
+    key = "acct:a"
+    first = connect(f"sqlite:///{path}", ttl_ms=TTL_MS, timeout_s=5)
+    second = connect(f"sqlite:///{path}", ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        call(first, store, key)
+        call(second, store, key)
+        holder = first.acquire([key])
+        remove_sqlite(path)
+        newer = second.acquire([key], timeout_s=5)  # the lock state is gone: granted anew
+        assert newer.tokens[key] > holder.tokens[key]
+        deadline = time.monotonic() + 5
+        while not holder.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert holder.lost, "the holder kept renewing a lock of a deleted file"
+        holder.release()
+        with pytest.raises(LockTimeout):  # and ``first`` grants no second holder
+            first.acquire([key], timeout_s=0.3)
+        newer.release()
+        assert call(first, store, key).value == "applied"
+        assert call(second, store, key).tokens[key] == store.high_water(key)
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.timeout(30)
+def test_sqlite_lock_file_deleted_between_calls(tmp_path: Path, store: GuardedStore) -> None:
+    path = tmp_path / "locks.db"
+    key = "acct:a"
+    locks = connect(f"sqlite:///{path}", ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        locks.raise_floor(key, now_us() + FUTURE_US)  # the floor rows go with the file
+        first = call(locks, store, key)
+        remove_sqlite(path)
+        assert not path.exists()
+        after = call(locks, store, key)
+        assert after.value == "applied" and after.tokens[key] > first.tokens[key]
+        assert path.exists(), "the lock manager kept using a deleted file"
+    finally:
+        locks.close()
