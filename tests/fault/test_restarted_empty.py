@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pg_server import ON_CI, PgServer, pg_available
 from servers import RedisServer
 
-from toolguard.errors import LockLost, LockTimeout, StaleFencingToken
+from toolguard.errors import LockLost, LockTimeout, StaleFencingToken, StoreError, ToolGuardError
 from toolguard.locks import LockManager, connect, heartbeat
 from toolguard.store import GuardedStore, open_store
 from toolguard.store.recovery import run_fenced
@@ -274,3 +275,138 @@ def test_sqlite_lock_file_deleted_between_calls(tmp_path: Path, store: GuardedSt
         assert path.exists(), "the lock manager kept using a deleted file"
     finally:
         locks.close()
+
+
+# --- PostgreSQL lock backend ----------------------------------------------------------------
+
+
+def recreate_database(server: Any, name: str) -> None:
+    """Drop the lock database (ending its sessions) and create it again, empty."""
+    import psycopg
+
+    with psycopg.connect(server.url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.execute(f'CREATE DATABASE "{name}"')
+
+
+def fresh_cluster(server: Any) -> None:
+    """A new cluster on the same port: stop, wipe the data directory, initdb, start."""
+    server.stop()
+    shutil.rmtree(server.data, ignore_errors=True)
+    server.init()
+    server.start()
+
+
+@pytest.fixture
+def pg_locks_server() -> Iterator[tuple[PgServer, str]]:
+    """A private PostgreSQL and the URL of a database of its own for the lock tables."""
+    problem = pg_available()
+    if problem is not None:  # skip locally, fail on CI
+        if ON_CI:
+            pytest.fail(f"{problem}; CI must provide it", pytrace=False)
+        pytest.skip(problem)
+    server = PgServer().start()
+    try:
+        recreate_database(server, "locks")
+        yield server, server.url.rsplit("/", 1)[0] + "/locks"
+    finally:
+        server.cleanup()
+
+
+@pytest.mark.timeout(60)
+def test_postgres_lock_database_recreated_under_a_holder(pg_locks_server: tuple[PgServer, str],
+                                                         store: GuardedStore) -> None:
+    server, url = pg_locks_server
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(url, ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        locks.raise_floor(key, now_us() + FUTURE_US)  # floors above the database clock
+        first = call(locks, store, key)
+        holder = hold_without_renewal(locks, key)
+        recreate_database(server, "locks")  # the lock schema is gone with it
+        after = call(locks, store, key)  # re-installed, regressed, re-seeded, applied
+        assert after.value == "applied" and after.reseeded
+        assert after.tokens[key] > first.tokens[key]
+        assert late_write_refused(store, holder, key) is not None
+        holder.release()
+        assert call(locks, store, key).tokens[key] > after.tokens[key]
+    finally:
+        locks.close()
+
+
+@pytest.mark.timeout(60)
+def test_postgres_lock_server_replaced_by_a_fresh_cluster(pg_locks_server: tuple[PgServer, str],
+                                                          store: GuardedStore) -> None:
+    """A new cluster on the same port has no ``locks`` database at all: a clear error, never a
+    refusal; once the database is there again, the next call applies above the store's mark."""
+    server, url = pg_locks_server
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(url, ttl_ms=TTL_MS, timeout_s=2)
+    try:
+        first = call(locks, store, key)
+        fresh_cluster(server)
+        with pytest.raises(ToolGuardError) as caught:
+            call(locks, store, key)
+        assert not isinstance(caught.value, StaleFencingToken)
+        assert "locks" in str(caught.value)
+        assert store.high_water(key) == first.tokens[key]
+        recreate_database(server, "locks")
+        after = call(locks, store, key)
+        assert after.value == "applied" and after.tokens[key] > first.tokens[key]
+    finally:
+        locks.close()
+
+
+# --- the store restarted empty --------------------------------------------------------------
+
+
+def assert_schema_gone(error: BaseException) -> None:
+    assert isinstance(error, StoreError), error
+    assert error.reason == "schema_not_installed"
+    assert "toolguard db init" in str(error)
+
+
+@pytest.mark.timeout(30)
+def test_sqlite_store_file_deleted_mid_run(tmp_path: Path) -> None:
+    path = tmp_path / "store.db"
+    store = open_store(f"sqlite:///{path}", install=True)
+    locks = connect(f"sqlite:///{tmp_path}/locks.db", ttl_ms=TTL_MS, timeout_s=5)
+    key = "acct:a"
+    try:
+        call(locks, store, key)
+        remove_sqlite(path)
+        with pytest.raises(ToolGuardError) as caught:
+            call(locks, store, key)  # never applied to the deleted file
+        assert_schema_gone(caught.value)
+        store.install()  # the operator re-installs: an empty store, no audit row guessed
+        assert store.query_audit() == []
+        assert call(locks, store, key).value == "applied"  # the lock was released
+        assert len(store.query_audit()) == 1
+    finally:
+        locks.close()
+        store.close()
+
+
+@pytest.mark.timeout(30)
+def test_postgres_store_schema_dropped_mid_run(postgres_url: str, pg_schema: str,
+                                               tmp_path: Path) -> None:
+    from store.envs import drop_schema
+
+    store = open_store(postgres_url, install=True, schema=pg_schema, timeout_s=3, max_size=2)
+    locks = connect(f"sqlite:///{tmp_path}/locks.db", ttl_ms=TTL_MS, timeout_s=5)
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    try:
+        call(locks, store, key)
+        drop_schema(postgres_url, pg_schema)
+        with pytest.raises(ToolGuardError) as caught:
+            call(locks, store, key)
+        assert_schema_gone(caught.value)
+        with pytest.raises(ToolGuardError) as again:  # stays failed closed: not re-created
+            call(locks, store, key)
+        assert_schema_gone(again.value)
+        store.install()
+        assert store.query_audit() == []
+        assert call(locks, store, key).value == "applied"
+    finally:
+        locks.close()
+        store.close()

@@ -207,14 +207,34 @@ def _conflict(key: str, tool: str) -> IdempotencyConflict:
     return IdempotencyConflict(msg)
 
 
+def _file_of(path: str) -> tuple[int, int] | None:
+    """The identity (device, inode) of the file at ``path``; None when there is none."""
+    if path == ":memory:":
+        return (0, 0)
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (found.st_dev, found.st_ino)
+
+
 class _Connections:
-    """A small thread-safe pool of autocommit connections to one file (per process)."""
+    """A small thread-safe pool of autocommit connections to one file (per process).
+
+    A connection keeps the file it opened alive after the file is deleted or replaced:
+    writes through it would go where nobody looks again, and reads would find fences
+    the other processes no longer see. So a connection is used only while its file is
+    still the one at ``path`` (one ``stat`` per take and per give); otherwise it is
+    closed and a new one opened on the file now there. A store file deleted mid-run
+    thus shows as a store without its schema, a clear ``StoreError``, and nothing applies.
+    """
 
     def __init__(self, path: str, busy_timeout_ms: int, synchronous: str) -> None:
         self.path = path
         self.busy_timeout_ms = busy_timeout_ms
         self.synchronous = synchronous
         self._idle: list[sqlite3.Connection] = []
+        self._files: dict[int, tuple[int, int] | None] = {}  # id(connection) -> its file
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -233,7 +253,15 @@ class _Connections:
                 conn.close()
             msg = f"sqlite {self.path}: {error}"
             raise BackendUnavailable(msg) from error
+        with self._lock:
+            self._files[id(conn)] = _file_of(self.path)
         return conn
+
+    def _discard(self, conn: sqlite3.Connection) -> None:
+        with self._lock:
+            self._files.pop(id(conn), None)
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
 
     def _wal(self, conn: sqlite3.Connection) -> None:
         """Switch the file to WAL. Several processes opening a new file at once race for it:
@@ -252,29 +280,39 @@ class _Connections:
             pause = min(pause * 2, 0.1)
 
     def take(self) -> sqlite3.Connection:
+        current = _file_of(self.path)
+        elsewhere: list[sqlite3.Connection] = []
+        found: sqlite3.Connection | None = None
         with self._lock:
             if self._pid != os.getpid():  # forked: the parent's connections are not ours
-                self._idle, self._pid = [], os.getpid()
-            if self._idle:
-                return self._idle.pop()
-        return self._open()
+                self._idle, self._files, self._pid = [], {}, os.getpid()
+            while self._idle:
+                conn = self._idle.pop()
+                if current is not None and self._files.get(id(conn)) == current:
+                    found = conn
+                    break
+                elsewhere.append(conn)  # its file was deleted or replaced
+        for conn in elsewhere:
+            self._discard(conn)
+        return found if found is not None else self._open()
 
     def give(self, conn: sqlite3.Connection) -> None:
         if conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
+        current = _file_of(self.path)
         with self._lock:
-            if self._pid == os.getpid():
+            if (self._pid == os.getpid() and current is not None
+                    and self._files.get(id(conn)) == current):
                 self._idle.append(conn)
                 return
-        conn.close()
+        self._discard(conn)
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
+            self._discard(conn)
 
 
 class _Session:
