@@ -14,6 +14,7 @@ heartbeat: it still believes it holds the lock until its local deadline.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import time
@@ -408,5 +409,67 @@ def test_postgres_store_schema_dropped_mid_run(postgres_url: str, pg_schema: str
         assert store.query_audit() == []
         assert call(locks, store, key).value == "applied"
     finally:
+        locks.close()
+        store.close()
+
+
+# --- two processes, one sees the empty server first -----------------------------------------
+
+
+def _hold_then_write(lock_url: str, store_url: str, key: str, held: Any, go: Any,
+                     outcome: Any) -> None:
+    """In a process of its own: hold ``key`` (renewal not run yet), wait for ``go``, write."""
+    store = open_store(store_url)
+    locks = connect(lock_url, ttl_ms=TTL_MS, timeout_s=5)
+    try:
+        lease = hold_without_renewal(locks, key)
+        held.put(lease.tokens[key])
+        go.wait(20)
+        try:
+            with store.fenced(lease):
+                pass
+            outcome.put("accepted")
+        except (StaleFencingToken, LockLost) as refused:
+            outcome.put(type(refused).__name__)
+        lease.release()
+    finally:
+        locks.close()
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_two_processes_one_sees_the_empty_server_first(private_redis: RedisServer,
+                                                       tmp_path: Path) -> None:
+    """A process holds the key when Redis restarts empty; another process meets the empty
+    server first (regressed: re-seeded from the store). The holder's write comes last: it must
+    not be accepted, and no accepted token is ever below one accepted before it."""
+    store_url = f"sqlite:///{tmp_path}/store.db"
+    store = open_store(store_url, install=True)
+    key = f"acct:{uuid.uuid4().hex[:8]}"
+    locks = connect(private_redis.url, ttl_ms=TTL_MS, timeout_s=5)
+    spawn = multiprocessing.get_context("spawn")
+    held, outcome, go = spawn.Queue(), spawn.Queue(), spawn.Event()
+    process = spawn.Process(target=_hold_then_write, daemon=True,
+                            args=(private_redis.url, store_url, key, held, go, outcome))
+    try:
+        locks.raise_floor(key, now_us() + FUTURE_US)
+        call(locks, store, key)
+        process.start()
+        holder_token = held.get(timeout=20)
+        private_redis.restart()
+        after = call(locks, store, key)  # this process sees the empty server first
+        assert after.value == "applied" and after.reseeded
+        go.set()
+        assert outcome.get(timeout=20) != "accepted", (
+            f"the other process's pre-loss token {holder_token} was accepted after "
+            f"{after.tokens[key]}")
+        accepted = [e.tokens[key] for e in store.query_audit(newest_first=False)
+                    if e.decision == "accepted"]
+        assert accepted == sorted(set(accepted)) and accepted[-1] == after.tokens[key]
+    finally:
+        go.set()
+        process.join(20)
+        if process.is_alive():
+            process.kill()
         locks.close()
         store.close()

@@ -14,7 +14,17 @@ granted it again before the renewal loop noticed (data loss). A well-behaved
 server cannot cause it: a newer holder needs this lease to expire first, and
 the lease's local deadline passes before the server's. Either way the attempt
 was rolled back, so ``run_fenced`` re-seeds and retries once with a fresh
-lease (the body runs again and re-reads inside its transaction). A lost
+lease (the body runs again and re-reads inside its transaction).
+
+The re-seed waits until the leases granted before the loss have run out (one
+TTL of the regressed lease, from its grant): a server that lost its state lost
+their tokens too, and a holder that has not renewed since still writes with
+one. Such a token may be above the store's marks; a floor raised to the marks
+before it is over could hand the next holder that very token (equal tokens are
+accepted as one lease's) or a lower one, and the late write would be accepted
+after the newer. Once those leases are over no late write can commit, and the
+marks read then are final. (This assumes no lease on the keys runs for a longer
+TTL than the regressed one.) A recovery therefore takes one TTL, once per loss. A lost
 lease means someone newer may have written: that rejection stands. The floor
 also rises to the refusal's own ``current`` (a fenced service's high-water,
 which the guard's store never sees), so a service that has seen newer tokens
@@ -219,8 +229,9 @@ def reseed_if_regressed(locks: LockManager, store: GuardedStore, lease: Lease,
     """After ``store.fenced(lease, ...)`` raised ``stale``: re-seed if the lock server regressed.
 
     True when ``stale`` refused a token of ``lease`` while the lease is still
-    held (see ``lock_regressed``): the lock server's floors for the lease's
-    keys are then raised to the store's high-water marks, and the caller should
+    held (see ``lock_regressed``): once the leases granted before the loss have run
+    out (up to one TTL of ``lease``; see the module docstring), the lock server's
+    floors for the lease's keys are raised to the store's high-water marks, and the caller should
     acquire again and retry once (the write was rolled back). False when the
     refusal stands (the lease was lost: someone newer may have written); then
     nothing is changed.
