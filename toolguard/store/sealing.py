@@ -195,6 +195,8 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
     start = start_of(retention)
     verifier = Verifier(io.dialect, start, retention)
     verifier.report.problems.extend(io.trigger_problems())
+    if retention is not None:
+        verifier.report.problems.extend(retention_problems(io, retention))
     if start.last_id > 0:
         verifier.stray(_all_rows(io, 0, start.last_id), 0, start.last_id,
                        kind="exported_row_present")
@@ -212,12 +214,53 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
     for anchor in anchors:
         verifier.check_anchor(anchor, checks)
     report = verifier.finish()
+    if retention is not None and not checks and any(
+            a == retention.final_hash for a in report.anchors) and not report.problems:
+        report.notes.append(
+            f"the anchor names seal #{retention.through_seq}, the last seal of the dropped "
+            f"range: the database only records its hash, the rows it pins are in the export "
+            f"file; `--export FILE` checks them against the anchor")
     if retention is not None and not checks:
         report.notes.append(
             f"ids <= {retention.through_id} were exported and dropped (through seal "
             f"#{retention.through_seq}, final hash {retention.final_hash}); `--export FILE` "
             f"checks the file")
     return report
+
+
+def retention_problems(io: ChainIO, retention: Retention) -> list[Problem]:
+    """What contradicts the latest retention record (a drop deletes every seal through it, and
+    each of those seals covered at least one row): a forged record would otherwise skip seals
+    that still vouch for rows."""
+    found: list[Problem] = []
+    through = retention.through_seq
+    if retention.through_id < through:
+        found.append(Problem(
+            "retention_inconsistent", f"the retention record says seals #1..#{through} were "
+            f"dropped with ids up to {retention.through_id} only: every seal covers at least one "
+            f"row, so the record was forged (ids <= {retention.through_id} are not checked)",
+            seal=through))
+    left = [seal.seq for seal in _all_seals(io, 0, through)]
+    for first, last, count in _runs(left):
+        which = f"seal #{first}" if count == 1 else f"seals #{first}..#{last}"
+        found.append(Problem(
+            "retention_inconsistent", f"{which} still in the store, though the retention record "
+            f"says every seal through #{through} was exported and dropped: the record was forged "
+            f"(or a drop did not finish), and verify does not check what it claims was dropped",
+            seal=first))
+    return found
+
+
+def _runs(values: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Consecutive runs of sorted ``values``: ``(first, last, count)``."""
+    run: list[int] = []
+    for value in values:
+        if run and value != run[-1] + 1:
+            yield run[0], run[-1], len(run)
+            run = []
+        run.append(value)
+    if run:
+        yield run[0], run[-1], len(run)
 
 
 # --- export ---------------------------------------------------------------------------------------
