@@ -207,6 +207,10 @@ def _conflict(key: str, tool: str) -> IdempotencyConflict:
     return IdempotencyConflict(msg)
 
 
+def _lenient_text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
 class _Connections:
     """A small thread-safe pool of autocommit connections to one file (per process)."""
 
@@ -552,7 +556,14 @@ class SqliteStore:
         where, params = query.where(DIALECT, _iso)
         tail, more = query.tail()
         with self.connection() as conn:
-            rows = conn.execute(qmark(AUDIT_QUERY + where + tail), [*params, *more]).fetchall()
+            # Text another program wrote that is not UTF-8 reads with U+FFFD in place of the
+            # bad bytes, not as an error.
+            previous = conn.text_factory
+            conn.text_factory = _lenient_text
+            try:
+                rows = conn.execute(qmark(AUDIT_QUERY + where + tail), [*params, *more]).fetchall()
+            finally:
+                conn.text_factory = previous
         return [_entry(row) for row in rows]
 
     def seal_audit(self, *, max_rows: int = MAX_SEAL_ROWS, wait_s: float = 5.0) -> SealResult:
