@@ -6,9 +6,14 @@ Every test runs on PostgreSQL and on SQLite (the ``store`` fixture).
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from typing import Any
 
+import pytest
+
 from store.test_audit_chain import problems, tamper, write_log
+from toolguard.errors import StoreError
 from toolguard.store import GuardedStore
 from toolguard.store.chain import CANONICAL_FIELDS
 
@@ -71,3 +76,49 @@ def test_an_untouched_log_after_two_drops_verifies(store: GuardedStore, tmp_path
     store.seal_audit()
     assert problems(store) == []
     assert store.verify_audit(exports=[tmp_path / "a.jsonl", tmp_path / "b.jsonl"]).ok
+
+
+# --- malformed values the SQLite file's owner can write (PostgreSQL's types refuse them) ---------
+
+
+@pytest.mark.parametrize("env", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("statement", [
+    "UPDATE toolguard_audit_seal SET sealed_at = 'garbage' WHERE seq = 2",
+    "UPDATE toolguard_audit_seal SET sealed_at = 7 WHERE seq = 2",
+    "UPDATE toolguard_audit_seal SET sealed_at = NULL WHERE seq = 2",
+    "UPDATE toolguard_audit_seal SET last_id = 'x' WHERE seq = 2",
+    "UPDATE toolguard_audit_seal SET last_id = 1e400 WHERE seq = 2",
+])
+def test_a_malformed_seal_is_reported_not_a_crash(store: GuardedStore, statement: str) -> None:
+    write_log(store, 6)
+    store.seal_audit(max_rows=2)
+    with contextlib.suppress(sqlite3.IntegrityError):  # a CHECK may refuse it: then nothing to see
+        tamper(store, statement)
+        # the seal after it still links to it: one finding, at seal #2
+        assert problems(store) == [("seal_changed", None, 2)]
+        if "last_id" in statement:  # the chain's head unknown: nothing is sealed on top of it
+            tamper(store, statement.replace("seq = 2", "seq = 3"))
+            write_log(store, 1, start=6)
+            with pytest.raises(StoreError, match="seal #3, the last of the chain, is malformed"):
+                store.seal_audit()
+            assert ("seal_changed", None, 3) in problems(store)
+
+
+@pytest.mark.parametrize("env", ["sqlite"], indirect=True)
+def test_a_malformed_retention_record_is_reported_not_a_crash(store: GuardedStore) -> None:
+    write_log(store, 2)
+    store.seal_audit()
+    tamper(store, "INSERT INTO toolguard_audit_retention (through_seq, through_id, final_hash, "
+                  "rows, seals, dropped_at) VALUES (1, 'x', %s, 'y', 0, 'garbage')",
+           params=("a" * 64,))
+    report = store.verify_audit()
+    assert "retention_inconsistent" in [p.kind for p in report.problems]
+
+
+@pytest.mark.parametrize("env", ["sqlite"], indirect=True)
+def test_a_row_hash_that_is_not_a_hash_is_reported(store: GuardedStore) -> None:
+    write_log(store, 2)
+    store.seal_audit()
+    write_log(store, 1, start=2)
+    tamper(store, "UPDATE toolguard_audit SET row_hash = 'text' WHERE id IN (1, 3)")
+    assert problems(store) == [("row_hash_changed", 1, 1), ("row_unsealed_changed", 3, None)]

@@ -66,6 +66,7 @@ from toolguard.store.chain import (
     sealed_at_text,
     sqlite_canonical,
     sqlite_row_hash,
+    unpack_rows,
     write_export,
 )
 
@@ -566,6 +567,41 @@ def _sqlite_moment(value: Any) -> datetime:
     return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
 
 
+#: What a malformed time reads as: a seal's hash over it then fails to match (reported).
+_NO_MOMENT = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _lenient_int(value: Any, fallback: int) -> int:
+    """A stored integer; SQLite lets its owner store anything, which reads as ``fallback``."""
+    try:
+        return int(value) if isinstance(value, int | float | str) and \
+            not isinstance(value, bool) else fallback
+    except (ValueError, OverflowError):
+        return fallback
+
+
+def _lenient_moment(value: Any) -> datetime:
+    try:
+        moment = _sqlite_moment(value)
+    except (ValueError, TypeError):
+        return _NO_MOMENT
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _sqlite_seal(row: Sequence[Any]) -> Seal:
+    """A stored seal as it reads, malformed fields replaced so that its hash cannot match
+    (``verify`` then reports the seal as changed, by number, instead of failing)."""
+    rows = bytes(row[4]) if isinstance(row[4], bytes | memoryview) else b""
+    entries = unpack_rows(rows)
+    seq = _lenient_int(row[0], 0)
+    after_id = _lenient_int(row[1], entries[0][0] - 1 if entries else 0)
+    last_id = _lenient_int(row[2], entries[-1][0] if entries else after_id)
+    intact = all(isinstance(row[i], int) for i in (1, 2, 3)) and isinstance(row[7], str)
+    moment = _lenient_moment(row[7]) if intact else _NO_MOMENT
+    return Seal(seq, after_id, last_id, _lenient_int(row[3], len(entries)), rows, str(row[5]),
+                str(row[6]), moment)
+
+
 class SqliteChainIO:
     """The chain's queries on one sqlite3 connection."""
 
@@ -578,22 +614,28 @@ class SqliteChainIO:
         row = self.conn.execute(SQLITE_RETENTION).fetchone()
         if row is None:
             return None
-        return Retention(int(row[0]), int(row[1]), str(row[2]), int(row[3]), int(row[4]),
-                         row[5], _sqlite_moment(row[6]) if row[6] else None)
+        # Malformed numbers read as 0: ``retention_problems`` then reports the record.
+        return Retention(_lenient_int(row[0], 0), _lenient_int(row[1], 0), str(row[2]),
+                         _lenient_int(row[3], 0), _lenient_int(row[4], 0), row[5],
+                         _lenient_moment(row[6]) if row[6] else None)
 
     def head(self, start: ChainHead) -> ChainHead:
         row = self.conn.execute("SELECT seq, last_id, seal_hash FROM toolguard_audit_seal "
                                 "ORDER BY seq DESC LIMIT 1").fetchone()
-        return start if row is None else ChainHead(int(row[0]), int(row[1]), str(row[2]))
+        if row is None:
+            return start
+        if not isinstance(row[1], int) or not isinstance(row[2], str):
+            msg = (f"seal #{row[0]}, the last of the chain, is malformed: nothing is sealed on "
+                   f"top of it; run `toolguard audit verify`")
+            raise StoreError(msg, reason="audit_tampered")
+        return ChainHead(int(row[0]), int(row[1]), str(row[2]))
 
     def seals(self, after_seq: int, limit: int) -> list[Seal]:
-        return [Seal(int(r[0]), int(r[1]), int(r[2]), int(r[3]), bytes(r[4]), str(r[5]),
-                     str(r[6]), _sqlite_moment(r[7]))
-                for r in self.conn.execute(SQLITE_SEALS, (after_seq, limit))]
+        return [_sqlite_seal(r) for r in self.conn.execute(SQLITE_SEALS, (after_seq, limit))]
 
     def seal_ends(self, after_seq: int) -> list[tuple[int, int]]:
-        return [(int(a), int(b)) for a, b in self.conn.execute(SEAL_ENDS.replace("%s", "?"),
-                                                               (after_seq,))]
+        return [(_lenient_int(a, 0), _lenient_int(b, 0))
+                for a, b in self.conn.execute(SEAL_ENDS.replace("%s", "?"), (after_seq,))]
 
     def _raw_rows(self, after_id: int, upto_id: int | None, limit: int) -> list[tuple[Any, ...]]:
         previous = self.conn.text_factory
@@ -612,8 +654,9 @@ class SqliteChainIO:
                 computed: bytes | None = sqlite_row_hash(*row[:-1])
             except (TypeError, ValueError, UnicodeError):
                 computed = None
+            # A row hash that is not a blob was written by hand: it matches nothing.
             checks.append(RowCheck(int(row[0]), bytes(stored) if isinstance(
-                stored, bytes | memoryview) else None, computed))
+                stored, bytes | memoryview) else None if stored is None else b"", computed))
         return checks
 
     def seal_entries(self, after_id: int, upto_id: int, limit: int) -> list[tuple[int, bytes]]:
