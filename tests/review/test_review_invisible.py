@@ -7,6 +7,8 @@ import html
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from review.helpers import fetch, serving
 from toolguard.review import create_app
 from toolguard.store import AuditEntry, open_store
@@ -54,3 +56,43 @@ def test_a_row_whose_text_is_not_utf8_does_not_break_the_page(tmp_path: Path) ->
                 assert "Internal Server Error" not in reply.body, path
     finally:
         store.close()
+
+
+MALFORMED = [
+    "UPDATE toolguard_audit SET at = 'garbage' WHERE id = 2",
+    "UPDATE toolguard_audit SET keys = 'notjson', tokens = '[1]' WHERE id = 2",
+    "UPDATE toolguard_audit SET args = '{bad', duration_ms = 'slow' WHERE id = 2",
+    "UPDATE toolguard_audit SET tokens = '{\"k\": \"x\"}', keys = '[1, {}]' WHERE id = 2",
+    "UPDATE toolguard_audit SET decision = 7, reason = X'00' WHERE id = 2",
+    "UPDATE toolguard_audit SET policy_version = '' WHERE id = 2",
+]
+
+
+@pytest.mark.parametrize("statement", MALFORMED)
+def test_a_row_with_malformed_columns_is_shown_not_a_500(tmp_path: Path, statement: str) -> None:
+    """The SQLite file's owner (or another program) wrote values no store writes."""
+    from typer.testing import CliRunner
+
+    from toolguard.cli import app as cli_app
+
+    url = f"sqlite:///{tmp_path}/m.db"
+    store = open_store(url, install=True)
+    for tool in ("first", "second"):
+        store.audit(AuditEntry(decision="rejected", reason="not_authorized", tool=tool,
+                               keys=("k:1",), tokens={"k:1": 1}, args={"a": 1}))
+    raw = sqlite3.connect(tmp_path / "m.db")
+    raw.execute("DROP TRIGGER toolguard_audit_no_update")
+    raw.execute(statement)
+    raw.commit()
+    raw.close()
+    try:
+        with serving(create_app(store)) as base:
+            for path in ("/", "/?decision=all", "/entry/2", "/entry/1"):
+                reply = fetch(base, path)
+                assert reply.status == 200, (path, reply.body[-300:])
+    finally:
+        store.close()
+    for args in (["audit", "--url", url], ["audit", "show", "2", "--url", url],
+                 ["audit", "stats", "--url", url]):
+        result = CliRunner().invoke(cli_app, args)
+        assert result.exit_code == 0, (args, result.output, result.exception)
