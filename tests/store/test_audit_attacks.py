@@ -122,3 +122,23 @@ def test_a_row_hash_that_is_not_a_hash_is_reported(store: GuardedStore) -> None:
     write_log(store, 1, start=2)
     tamper(store, "UPDATE toolguard_audit SET row_hash = 'text' WHERE id IN (1, 3)")
     assert problems(store) == [("row_hash_changed", 1, 1), ("row_unsealed_changed", 3, None)]
+
+
+def test_tail_truncation_is_named_as_a_limit_without_an_anchor(store: GuardedStore) -> None:
+    """Rows deleted from the end before they are sealed, or with the newest seal, leave no
+    trace in the database: verify says so rather than a bare OK."""
+    write_log(store, 4)
+    store.seal_audit(max_rows=2)
+    anchor = store.verify_audit().head.hash
+    write_log(store, 2, start=4)
+    tamper(store, "DELETE FROM toolguard_audit WHERE id = 6")  # the unsealed tail
+    report = store.verify_audit()
+    assert report.ok
+    notes = " ".join(report.notes)
+    assert "not sealed yet" in notes and "leave no trace" in notes
+    assert "without an anchor" in notes
+    assert "without an anchor" not in " ".join(store.verify_audit(anchor=anchor).notes)
+    tamper(store, "DELETE FROM toolguard_audit WHERE id >= 3",
+           "DELETE FROM toolguard_audit_seal WHERE seq = 2")  # the newest seal and its rows
+    assert store.verify_audit().ok
+    assert problems(store, anchor=anchor) == [("anchor_missing", None, None)]

@@ -221,6 +221,16 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
             f"the anchor names seal #{retention.through_seq}, the last seal of the dropped "
             f"range: the database only records its hash, the rows it pins are in the export "
             f"file; `--export FILE` checks them against the anchor")
+    if report.unsealed:
+        report.notes.append(
+            f"the {report.unsealed} rows not sealed yet (ids above {report.head.last_id}) are "
+            f"covered only by their own hash: rows deleted from the end of the log before a "
+            f"seal covers them leave no trace")
+    if not anchors and report.head.seq > report.start.seq:
+        report.notes.append(
+            "without an anchor, the newest seal deleted with its rows (or the whole chain "
+            "rewritten) leaves no trace: keep the latest seal hash outside the database and "
+            "pass it as `--anchor HASH`")
     if retention is not None and not checks:
         report.notes.append(
             f"ids <= {retention.through_id} were exported and dropped (through seal "
