@@ -142,3 +142,48 @@ def test_tail_truncation_is_named_as_a_limit_without_an_anchor(store: GuardedSto
            "DELETE FROM toolguard_audit_seal WHERE seq = 2")  # the newest seal and its rows
     assert store.verify_audit().ok
     assert problems(store, anchor=anchor) == [("anchor_missing", None, None)]
+
+
+# --- every column, swaps and renumbering (regressions: each is caught today) ---------------------
+
+COLUMN_CHANGES = {
+    "at": ("at - interval '1 second'", "'2001-01-01T00:00:00.000Z'"),
+    "agent": ("'x'", "'x'"), "tool": ("'x'", "'x'"), "intent_id": ("'x'", "'x'"),
+    "idempotency_key": ("'x'", "'x'"), "workflow": ("'x'", "'x'"),
+    "decision": ("'accepted'", "'accepted'"), "reason": ("'applied'", "'applied'"),
+    "keys": ("ARRAY['x:1']", "'[\"x:1\"]'"), "tokens": ("'{\"x:1\": 9}'", "'{\"x:1\":9}'"),
+    "args": ("'{\"amount\": 1000000}'", "'{\"amount\":1000000}'"),
+    "detail": ("'nothing to see'", "'nothing to see'"), "duration_ms": ("12345", "12345"),
+    "node_attempt": ("99", "99"), "policy_version": ("'sha256:other'", "'sha256:other'"),
+}
+
+
+@pytest.mark.parametrize("column", sorted(COLUMN_CHANGES))
+def test_a_change_to_any_column_is_pinpointed(store: GuardedStore, column: str) -> None:
+    write_log(store, 3)
+    store.seal_audit()
+    pg, lite = COLUMN_CHANGES[column]
+    value = pg if store.dialect == "postgresql" else lite
+    tamper(store, f"UPDATE toolguard_audit SET {column} = {value} WHERE id = 2")
+    assert problems(store) == [("row_changed", 2, 1)]
+
+
+def test_two_rows_swapped_or_renumbered_are_pinpointed(store: GuardedStore) -> None:
+    write_log(store, 4)
+    store.seal_audit()
+    tamper(store, "UPDATE toolguard_audit SET id = -2 WHERE id = 2",
+           "UPDATE toolguard_audit SET id = 2 WHERE id = 3",
+           "UPDATE toolguard_audit SET id = 3 WHERE id = -2")
+    assert problems(store) == [("row_changed", 2, 1), ("row_changed", 3, 1)]
+    tamper(store, "UPDATE toolguard_audit SET id = id + 100 WHERE id = 4")
+    found = problems(store)
+    assert ("row_deleted", 4, 1) in found and ("row_unsealed_changed", 104, None) in found
+
+
+def test_the_first_a_middle_and_the_last_sealed_rows_deleted_are_pinpointed(
+        store: GuardedStore) -> None:
+    write_log(store, 6)
+    store.seal_audit()
+    tamper(store, "DELETE FROM toolguard_audit WHERE id IN (1, 3, 6)")
+    assert problems(store) == [("row_deleted", 1, 1), ("row_deleted", 3, 1),
+                               ("row_deleted", 6, 1)]
