@@ -54,3 +54,16 @@ def test_a_time_too_far_back_is_a_usage_error(runner: CliRunner, hostile_url: st
     result = runner.invoke(app, ["audit", "--url", hostile_url, "--since", when])
     assert result.exit_code == 2, (result.output, result.exception)
     assert "--since" in result.output and "Traceback" not in result.output
+
+
+def test_an_export_path_with_markup_is_printed_as_given(runner: CliRunner, hostile_url: str,
+                                                        tmp_path: Path) -> None:
+    out = tmp_path / "[/x][bold]a.jsonl"
+    assert runner.invoke(app, ["audit", "seal", "--url", hostile_url]).exit_code == 0
+    exported = runner.invoke(app, ["audit", "export", "--url", hostile_url, "--through-seal",
+                                   "1", "--out", str(out)])
+    assert exported.exit_code == 0, (exported.output, exported.exception)
+    for args in (["verify", "--url", hostile_url, "--export", str(out)], ["check-export", str(out)]):
+        result = runner.invoke(app, ["audit", *args])
+        assert result.exit_code == 0, (result.output, result.exception)
+        assert "[/x][bold]a.jsonl" in result.output

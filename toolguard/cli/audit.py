@@ -788,8 +788,9 @@ def _render_verification(report: AuditVerification, where: str) -> None:
                   soft_wrap=True)
     for check in report.exports:
         state = "verifies" if check.ok else "does NOT verify"
-        out.print(f"  export  {check.path}: seals #{check.start.seq + 1}..#{check.final.seq}, "
-                  f"{check.rows:,} rows, {state}", soft_wrap=True)
+        out.print(Text(visible(f"  export  {check.path}: seals #{check.start.seq + 1}.."
+                               f"#{check.final.seq}, {check.rows:,} rows, {state}")),
+                  soft_wrap=True)
     if report.anchors and not any(p.kind == "anchor_missing" for p in report.problems):
         out.print(f"  anchor  {len(report.anchors)} given, found in the chain", soft_wrap=True)
     for note in report.notes:
