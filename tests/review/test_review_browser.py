@@ -175,3 +175,27 @@ def test_hostile_audit_contents_stay_inert_in_chromium(browser: Any,
         assert SCRIPT in page.locator("pre.json").inner_text()  # the raw row: its arguments as text
         assert tab.problems == []
         page.close()
+
+
+def test_hostile_agent_detail_and_arguments_read_as_text_in_chromium(
+        browser: Any, hostile: tuple[GuardedStore, dict[str, int]]) -> None:
+    """The raw row's agent (an <img onerror>), detail (</pre><script>) and arguments, and a
+    bidi override, on its own page: shown as the characters they are, nothing runs."""
+    from toolguard.store import AuditEntry
+
+    store, ids = hostile
+    store.audit(AuditEntry(decision="rejected", reason="not_authorized", tool="add_note",
+                           agent="bob\u202egnp.exe", detail="x"))
+    bidi = store.query_audit(limit=1)[0].id
+    with serving(create_app(store)) as base:
+        tab = Tab(browser, base)
+        page = tab.open(f"/entry/{ids['raw']}")
+        assert page.locator("pre.detail").inner_text() == f"</pre>{SCRIPT}"
+        assert IMG in page.locator("p.who-line").inner_text()
+        assert SCRIPT in page.locator("pre.json").inner_text()
+        assert page.evaluate("() => window.__pwned") is None
+        assert page.evaluate("() => document.querySelectorAll('script, img').length") == 0
+        page = tab.open(f"/entry/{bidi}")
+        assert "bob\\u202egnp.exe" in page.locator("p.who-line").inner_text()
+        assert tab.problems == []
+        page.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,7 +50,25 @@ from toolguard.cli._common import (
 if TYPE_CHECKING:
     from toolguard.store import AuditEntry, AuditVerification, ExportCheck, GuardedStore
 
-__all__ = ["AuditFilters", "audit_app"]
+__all__ = ["AuditFilters", "audit_app", "visible"]
+
+#: What a stored value must not send to a terminal (or a page) as it is: control characters
+#: (escape sequences, C1 controls), bidi overrides and isolates, lone surrogates.
+_HIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+                     "\ud800-\udfff]")
+_HIDDEN_INLINE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f"
+                            "\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def visible(text: str, *, lines: bool = False) -> str:
+    """``text`` with every control character, bidi control and lone surrogate written as a
+    visible escape (``\\x1b``, ``\\u202e``); ``lines=True`` keeps newlines and tabs."""
+    return (_HIDDEN_INLINE if lines else _HIDDEN).sub(_escape_char, text)
 
 DECISIONS = ("accepted", "replayed", "rejected", "failed", "unknown", "pending", "shadow",
              "operator")
@@ -172,7 +191,9 @@ def _moment(value: str | None, option: str) -> datetime | None:
     try:
         return parse_moment(value)
     except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint=option) from None
+        raise typer.BadParameter(visible(str(error)), param_hint=option) from None
+    except OverflowError:
+        raise typer.BadParameter(f"{visible(value)!r} is too far back", param_hint=option) from None
 
 
 def _decisions(values: list[str] | None, rejected: bool, shadow: bool = False) -> tuple[str, ...]:
@@ -320,20 +341,21 @@ def show_command(
     table.add_row("id", str(entry.id))
     table.add_row("at", _when(entry.at))
     table.add_row("decision", Text(entry.decision, style=DECISION_STYLE.get(entry.decision, "")))
-    reason = Text(entry.reason)
+    reason = Text(visible(entry.reason))
     if entry.reason in REASONS:
         reason.append(f"  ({REASONS[entry.reason]})", style="dim")
     table.add_row("reason", reason)
     for name in ("agent", "tool", "intent_id", "idempotency_key", "workflow"):
-        table.add_row(name.replace("_", " "), Text(str(getattr(entry, name) or "-")))
-    table.add_row("keys", Text(", ".join(entry.keys) or "-"))
-    table.add_row("tokens", Text(", ".join(f"{k}={v}" for k, v in entry.tokens.items()) or "-"))
+        table.add_row(name.replace("_", " "), Text(visible(str(getattr(entry, name) or "-"))))
+    table.add_row("keys", Text(visible(", ".join(entry.keys)) or "-"))
+    table.add_row("tokens", Text(visible(", ".join(f"{k}={v}" for k, v in entry.tokens.items()))
+                                 or "-"))
     table.add_row("node attempt", str(entry.node_attempt or "-"))
-    table.add_row("policy version", Text(entry.policy_version or "-"))
+    table.add_row("policy version", Text(visible(entry.policy_version or "-")))
     table.add_row("duration", f"{entry.duration_ms:.1f} ms" if entry.duration_ms is not None else "-")
-    table.add_row("args", Text(json.dumps(entry.args, indent=2, ensure_ascii=False)
-                               if entry.args is not None else "-"))
-    table.add_row("detail", Text(entry.detail or "-"))
+    table.add_row("args", Text(visible(json.dumps(entry.args, indent=2, ensure_ascii=False),
+                                       lines=True) if entry.args is not None else "-"))
+    table.add_row("detail", Text(visible(entry.detail or "-", lines=True)))
     out.print(table)
 
 
@@ -423,30 +445,30 @@ def _render_list(entries: list[AuditEntry], filters: AuditFilters, *, limit: int
     plural = ("s" if len(entries) != 1 else "") if refused_only else ("ies" if len(entries) != 1
                                                                       else "y")
     if not entries:
-        out.print(f"No {noun}{'s' if refused_only else 'ies'} in {where}"
-                  f"{f' matching {what}' if what else ''}.")
+        out.print(Text(f"No {noun}{'s' if refused_only else 'ies'} in {where}"
+                       f"{f' matching {what}' if what else ''}."))
         return
     order = "oldest first" if oldest_first else "newest first"
     out.print(Text.assemble((f"{len(entries)} {noun}{plural}", "bold"),
-                            f" ({order}{', ' + what if what else ''}) in {where}"))
+                            visible(f" ({order}{', ' + what if what else ''}) in {where}")))
     out.print()
     id_width = max(len(str(e.id)) for e in entries)
-    reason_width = max(len(e.reason) for e in entries)
+    reason_width = max(len(visible(e.reason)) for e in entries)
     for entry in entries:
         line = Text()
         line.append(f"#{entry.id:<{id_width}}", style="bold")
         line.append(f"  {_when(entry.at, short=True)}  ", style="dim")
         line.append(f"{entry.decision:<8}", style=DECISION_STYLE.get(entry.decision, ""))
-        line.append(f"  {entry.reason:<{reason_width}}  ")
-        line.append(entry.agent or "?", style="bold")
+        line.append(f"  {visible(entry.reason):<{reason_width}}  ")
+        line.append(visible(entry.agent or "?"), style="bold")
         line.append(" → ")
-        line.append(entry.tool or "?", style="bold")
+        line.append(visible(entry.tool or "?"), style="bold")
         if entry.keys:
-            line.append(f"  {' '.join(entry.keys)}", style="cyan")
+            line.append(visible(f"  {' '.join(entry.keys)}"), style="cyan")
         out.print(line, soft_wrap=True)
         why = _why(entry, width=400)
         if why:
-            out.print(Text(" " * (id_width + 3) + why, style="dim"), soft_wrap=True)
+            out.print(Text(" " * (id_width + 3) + visible(why), style="dim"), soft_wrap=True)
     out.print()
     hints = ["`toolguard audit show ID` prints one entry in full"]
     if limit and len(entries) >= limit:
@@ -576,12 +598,13 @@ class _Stats:
         where = redact(resolve_store_url(filters.url))
         what = filters.describe()
         if not self.total:
-            out.print(f"No audit entries in {where}{f' matching {what}' if what else ''}.")
+            out.print(Text(visible(f"No audit entries in {where}"
+                                   f"{f' matching {what}' if what else ''}.")))
             return
         span = f", {_when(self.first, short=True)} .. {_when(self.last, short=True)} UTC" \
             if self.first and self.last else ""
         out.print(Text.assemble((f"{self.total} audit entries", "bold"),
-                                f" in {where}{', ' + what if what else ''}{span}"))
+                                visible(f" in {where}{', ' + what if what else ''}{span}")))
         decisions = Table(title="By decision and reason", title_justify="left", show_edge=False,
                           header_style="bold")
         decisions.add_column("DECISION")
@@ -592,8 +615,8 @@ class _Stats:
                                                 key=lambda item: (DECISIONS.index(item[0][0])
                                                                   if item[0][0] in DECISIONS else 9,
                                                                   -item[1])):
-            decisions.add_row(Text(decision, style=DECISION_STYLE.get(decision, "")), reason,
-                              str(count), REASONS.get(reason, ""))
+            decisions.add_row(Text(visible(decision), style=DECISION_STYLE.get(decision, "")),
+                              Text(visible(reason)), str(count), REASONS.get(reason, ""))
         out.print(decisions)
         tools = Table(title="By tool", title_justify="left", show_edge=False, header_style="bold")
         tools.add_column("TOOL")
@@ -602,7 +625,7 @@ class _Stats:
             tools.add_column(decision.upper(), justify="right")
         tools.add_column("TOTAL", justify="right")
         for tool, counts in sorted(self.by_tool.items(), key=lambda item: -sum(item[1].values())):
-            tools.add_row(tool, *(str(counts.get(d, 0)) for d in present),
+            tools.add_row(Text(visible(tool)), *(str(counts.get(d, 0)) for d in present),
                           str(sum(counts.values())))
         out.print(tools)
         if self.by:
@@ -617,7 +640,8 @@ class _Stats:
                 refused = Counter({r: n for (d, r), n in pairs.items() if d == "rejected"})
                 top = ", ".join(f"{r} {n}" for r, n in refused.most_common(3))
                 series.add_row(start.replace("T", " ").replace(":00:00Z", ":00"),
-                               *(str(per_decision.get(d, 0)) for d in present), top or "-")
+                               *(str(per_decision.get(d, 0)) for d in present),
+                               Text(visible(top) or "-"))
             out.print(series)
 
 
@@ -764,8 +788,9 @@ def _render_verification(report: AuditVerification, where: str) -> None:
                   soft_wrap=True)
     for check in report.exports:
         state = "verifies" if check.ok else "does NOT verify"
-        out.print(f"  export  {check.path}: seals #{check.start.seq + 1}..#{check.final.seq}, "
-                  f"{check.rows:,} rows, {state}", soft_wrap=True)
+        out.print(Text(visible(f"  export  {check.path}: seals #{check.start.seq + 1}.."
+                               f"#{check.final.seq}, {check.rows:,} rows, {state}")),
+                  soft_wrap=True)
     if report.anchors and not any(p.kind == "anchor_missing" for p in report.problems):
         out.print(f"  anchor  {len(report.anchors)} given, found in the chain", soft_wrap=True)
     for note in report.notes:

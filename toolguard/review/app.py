@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 
 import jinja2
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -23,7 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from toolguard.cli.audit import REASONS
+from toolguard.cli.audit import REASONS, visible
 from toolguard.errors import ToolGuardError
 from toolguard.review.chart import decisions_chart
 from toolguard.review.filters import MAX_LIMIT, PARAMS, PageFilters, parse_filters
@@ -79,10 +80,19 @@ def create_app(store: GuardedStore, *,
                      exception_handlers={ToolGuardError: review.store_error})
 
 
+def _shown(value: object) -> object:
+    """Every value a template prints: text from the log with its control characters, bidi
+    controls and lone surrogates as visible escapes (they would reorder or hide what the page
+    says, or fail to encode), before autoescaping."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return visible(value, lines=True)
+    return value
+
+
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("toolguard.review", "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True)
+                             trim_blocks=True, lstrip_blocks=True, finalize=_shown)
     env.filters.update(when=when, pretty=pretty)
     env.globals.update(why=why, meaning=meaning)
     return env

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from urllib.parse import urlencode
 
 from toolguard.cli._common import parse_moment
@@ -24,6 +24,9 @@ MAX_LIMIT = 5000
 PARAMS = ("decision", "tool", "agent", "reason", "key", "workflow", "since", "until", "limit")
 _MULTI = ("decision", "tool", "agent", "reason")
 _MAX_VALUE = 1000
+#: The times a filter may name: the chart draws buckets in between, from Unix time.
+_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9999, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,11 @@ def parse_filters(query: Mapping[str, Sequence[str]]) -> PageFilters:
             raw = raw[:1]
         values[name] = tuple(item for item in raw if item)
     errors: list[str] = []
+    for name in PARAMS:
+        # No store keeps a NUL in a text column it is asked to match (PostgreSQL refuses one).
+        if any("\x00" in item for item in values[name]):
+            errors.append(f"{name}: a value with a NUL character matches nothing")
+            values[name] = tuple(item for item in values[name] if "\x00" not in item)
 
     if "decision" not in query:
         decisions: tuple[str, ...] = (DEFAULT_DECISION,)
@@ -88,9 +96,17 @@ def parse_filters(query: Mapping[str, Sequence[str]]) -> PageFilters:
     for name in moments:
         if values[name]:
             try:
-                moments[name] = parse_moment(values[name][0])
+                moment = parse_moment(values[name][0])
             except ValueError as error:
                 errors.append(f"{name}: {error}")
+                continue
+            except OverflowError:
+                errors.append(f"{name}: {values[name][0]!r} is too far back")
+                continue
+            if not _EARLIEST <= moment < _LATEST:
+                errors.append(f"{name}: {values[name][0]!r} is outside the years 1970 to 9998")
+                continue
+            moments[name] = moment
     since, until = moments["since"], moments["until"]
     if since and until and since >= until:
         errors.append("since is not before until: nothing can match")

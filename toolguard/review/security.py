@@ -130,7 +130,7 @@ class LoopbackHosts:
             await self.app(scope, receive, send)
             return
         host = _host_name(_header(scope, b"host"))
-        if not (is_loopback(host) or host in self.extra):
+        if not host or not (is_loopback(host) or host in self.extra):
             await _plain(send, 421, "This page answers only to a loopback address such as "
                                     "127.0.0.1 (start it with --token to serve other names).")
             return
@@ -204,11 +204,25 @@ def _header(scope: Scope, name: bytes) -> str:
 
 
 def _host_name(host: str) -> str:
-    """``Host`` without its port: ``127.0.0.1:8765`` -> ``127.0.0.1``, ``[::1]:80`` -> ``::1``."""
+    """``Host`` without its port: ``127.0.0.1:8765`` -> ``127.0.0.1``, ``[::1]:80`` -> ``::1``.
+
+    Anything after the name but ``:`` and a numeric port (``[::1].evil.com``,
+    ``127.0.0.1:80@evil.com``) makes it no host at all ("", which no check accepts).
+    """
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:].split("]", 1)[0]
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        name, _, rest = host[1:].partition("]")
+        return name if _port_only(rest) else ""
+    if host.count(":") == 1:
+        name, _, port = host.partition(":")
+        return name if _port_only(":" + port) else ""
+    return host
+
+
+def _port_only(rest: str) -> bool:
+    """True for "" or ``:`` followed by 1 to 5 digits."""
+    return rest == "" or (rest.startswith(":") and rest[1:].isascii() and rest[1:].isdigit()
+                          and len(rest) <= 6)
 
 
 async def _plain(send: Send, status: int, text: str,

@@ -240,7 +240,8 @@ class SealResult:
 ProblemKind = Literal["row_changed", "row_hash_changed", "row_deleted", "row_inserted",
                       "row_unsealed_changed", "row_unreadable", "seal_changed", "seal_missing",
                       "seal_relinked", "range_unsealed", "exported_row_present", "anchor_missing",
-                      "export_invalid", "export_mismatch", "trigger_disabled"]
+                      "export_invalid", "export_mismatch", "trigger_disabled",
+                      "retention_inconsistent"]
 
 
 @dataclass(frozen=True, slots=True)

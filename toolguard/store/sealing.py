@@ -66,6 +66,7 @@ from toolguard.store.chain import (
     sealed_at_text,
     sqlite_canonical,
     sqlite_row_hash,
+    unpack_rows,
     write_export,
 )
 
@@ -195,6 +196,8 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
     start = start_of(retention)
     verifier = Verifier(io.dialect, start, retention)
     verifier.report.problems.extend(io.trigger_problems())
+    if retention is not None:
+        verifier.report.problems.extend(retention_problems(io, retention))
     if start.last_id > 0:
         verifier.stray(_all_rows(io, 0, start.last_id), 0, start.last_id,
                        kind="exported_row_present")
@@ -212,12 +215,63 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
     for anchor in anchors:
         verifier.check_anchor(anchor, checks)
     report = verifier.finish()
+    if retention is not None and not checks and any(
+            a == retention.final_hash for a in report.anchors) and not report.problems:
+        report.notes.append(
+            f"the anchor names seal #{retention.through_seq}, the last seal of the dropped "
+            f"range: the database only records its hash, the rows it pins are in the export "
+            f"file; `--export FILE` checks them against the anchor")
+    if report.unsealed:
+        report.notes.append(
+            f"the {report.unsealed} rows not sealed yet (ids above {report.head.last_id}) are "
+            f"covered only by their own hash: rows deleted from the end of the log before a "
+            f"seal covers them leave no trace")
+    if not anchors and report.head.seq > report.start.seq:
+        report.notes.append(
+            "without an anchor, the newest seal deleted with its rows (or the whole chain "
+            "rewritten) leaves no trace: keep the latest seal hash outside the database and "
+            "pass it as `--anchor HASH`")
     if retention is not None and not checks:
         report.notes.append(
             f"ids <= {retention.through_id} were exported and dropped (through seal "
             f"#{retention.through_seq}, final hash {retention.final_hash}); `--export FILE` "
             f"checks the file")
     return report
+
+
+def retention_problems(io: ChainIO, retention: Retention) -> list[Problem]:
+    """What contradicts the latest retention record (a drop deletes every seal through it, and
+    each of those seals covered at least one row): a forged record would otherwise skip seals
+    that still vouch for rows."""
+    found: list[Problem] = []
+    through = retention.through_seq
+    if retention.through_id < through:
+        found.append(Problem(
+            "retention_inconsistent", f"the retention record says seals #1..#{through} were "
+            f"dropped with ids up to {retention.through_id} only: every seal covers at least one "
+            f"row, so the record was forged (ids <= {retention.through_id} are not checked)",
+            seal=through))
+    left = [seal.seq for seal in _all_seals(io, 0, through)]
+    for first, last, count in _runs(left):
+        which = f"seal #{first}" if count == 1 else f"seals #{first}..#{last}"
+        found.append(Problem(
+            "retention_inconsistent", f"{which} still in the store, though the retention record "
+            f"says every seal through #{through} was exported and dropped: the record was forged "
+            f"(or a drop did not finish), and verify does not check what it claims was dropped",
+            seal=first))
+    return found
+
+
+def _runs(values: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Consecutive runs of sorted ``values``: ``(first, last, count)``."""
+    run: list[int] = []
+    for value in values:
+        if run and value != run[-1] + 1:
+            yield run[0], run[-1], len(run)
+            run = []
+        run.append(value)
+    if run:
+        yield run[0], run[-1], len(run)
 
 
 # --- export ---------------------------------------------------------------------------------------
@@ -523,6 +577,41 @@ def _sqlite_moment(value: Any) -> datetime:
     return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
 
 
+#: What a malformed time reads as: a seal's hash over it then fails to match (reported).
+_NO_MOMENT = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _lenient_int(value: Any, fallback: int) -> int:
+    """A stored integer; SQLite lets its owner store anything, which reads as ``fallback``."""
+    try:
+        return int(value) if isinstance(value, int | float | str) and \
+            not isinstance(value, bool) else fallback
+    except (ValueError, OverflowError):
+        return fallback
+
+
+def _lenient_moment(value: Any) -> datetime:
+    try:
+        moment = _sqlite_moment(value)
+    except (ValueError, TypeError):
+        return _NO_MOMENT
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _sqlite_seal(row: Sequence[Any]) -> Seal:
+    """A stored seal as it reads, malformed fields replaced so that its hash cannot match
+    (``verify`` then reports the seal as changed, by number, instead of failing)."""
+    rows = bytes(row[4]) if isinstance(row[4], bytes | memoryview) else b""
+    entries = unpack_rows(rows)
+    seq = _lenient_int(row[0], 0)
+    after_id = _lenient_int(row[1], entries[0][0] - 1 if entries else 0)
+    last_id = _lenient_int(row[2], entries[-1][0] if entries else after_id)
+    intact = all(isinstance(row[i], int) for i in (1, 2, 3)) and isinstance(row[7], str)
+    moment = _lenient_moment(row[7]) if intact else _NO_MOMENT
+    return Seal(seq, after_id, last_id, _lenient_int(row[3], len(entries)), rows, str(row[5]),
+                str(row[6]), moment)
+
+
 class SqliteChainIO:
     """The chain's queries on one sqlite3 connection."""
 
@@ -535,22 +624,28 @@ class SqliteChainIO:
         row = self.conn.execute(SQLITE_RETENTION).fetchone()
         if row is None:
             return None
-        return Retention(int(row[0]), int(row[1]), str(row[2]), int(row[3]), int(row[4]),
-                         row[5], _sqlite_moment(row[6]) if row[6] else None)
+        # Malformed numbers read as 0: ``retention_problems`` then reports the record.
+        return Retention(_lenient_int(row[0], 0), _lenient_int(row[1], 0), str(row[2]),
+                         _lenient_int(row[3], 0), _lenient_int(row[4], 0), row[5],
+                         _lenient_moment(row[6]) if row[6] else None)
 
     def head(self, start: ChainHead) -> ChainHead:
         row = self.conn.execute("SELECT seq, last_id, seal_hash FROM toolguard_audit_seal "
                                 "ORDER BY seq DESC LIMIT 1").fetchone()
-        return start if row is None else ChainHead(int(row[0]), int(row[1]), str(row[2]))
+        if row is None:
+            return start
+        if not isinstance(row[1], int) or not isinstance(row[2], str):
+            msg = (f"seal #{row[0]}, the last of the chain, is malformed: nothing is sealed on "
+                   f"top of it; run `toolguard audit verify`")
+            raise StoreError(msg, reason="audit_tampered")
+        return ChainHead(int(row[0]), int(row[1]), str(row[2]))
 
     def seals(self, after_seq: int, limit: int) -> list[Seal]:
-        return [Seal(int(r[0]), int(r[1]), int(r[2]), int(r[3]), bytes(r[4]), str(r[5]),
-                     str(r[6]), _sqlite_moment(r[7]))
-                for r in self.conn.execute(SQLITE_SEALS, (after_seq, limit))]
+        return [_sqlite_seal(r) for r in self.conn.execute(SQLITE_SEALS, (after_seq, limit))]
 
     def seal_ends(self, after_seq: int) -> list[tuple[int, int]]:
-        return [(int(a), int(b)) for a, b in self.conn.execute(SEAL_ENDS.replace("%s", "?"),
-                                                               (after_seq,))]
+        return [(_lenient_int(a, 0), _lenient_int(b, 0))
+                for a, b in self.conn.execute(SEAL_ENDS.replace("%s", "?"), (after_seq,))]
 
     def _raw_rows(self, after_id: int, upto_id: int | None, limit: int) -> list[tuple[Any, ...]]:
         previous = self.conn.text_factory
@@ -569,8 +664,9 @@ class SqliteChainIO:
                 computed: bytes | None = sqlite_row_hash(*row[:-1])
             except (TypeError, ValueError, UnicodeError):
                 computed = None
+            # A row hash that is not a blob was written by hand: it matches nothing.
             checks.append(RowCheck(int(row[0]), bytes(stored) if isinstance(
-                stored, bytes | memoryview) else None, computed))
+                stored, bytes | memoryview) else None if stored is None else b"", computed))
         return checks
 
     def seal_entries(self, after_id: int, upto_id: int, limit: int) -> list[tuple[int, bytes]]:

@@ -57,6 +57,7 @@ from toolguard.errors import (
 from toolguard.store.base import (
     AUDIT_COLUMNS,
     AUDIT_SELECT,
+    POLICY_VERSION_MAX,
     AsyncFencedTransaction,
     AuditEntry,
     AuditQuery,
@@ -192,14 +193,67 @@ def _loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+#: The audit columns the store writes as text (JSON columns included).
+_TEXT = ("at", "decision", "reason", "tool", "agent", "intent_id", "idempotency_key", "workflow",
+         "keys", "tokens", "args", "detail", "policy_version")
+
+
 def _entry(row: Sequence[Any]) -> AuditEntry:
     values = dict(zip(AUDIT_SELECT, row, strict=True))
-    values["at"] = datetime.fromisoformat(values["at"]) if values["at"] else None
-    values["keys"] = tuple(_loads(values["keys"]) or ())
-    values["tokens"] = {k: int(v) for k, v in (_loads(values["tokens"]) or {}).items()}
-    values["args"] = _loads(values["args"])
-    values["duration_ms"] = finite_ms(values["duration_ms"])
-    return AuditEntry(**values)
+    try:
+        if not all(values[name] is None or isinstance(values[name], str) for name in _TEXT):
+            raise TypeError("a text column holds another type")
+        values["at"] = datetime.fromisoformat(values["at"]) if values["at"] else None
+        values["keys"] = tuple(_loads(values["keys"]) or ())
+        values["tokens"] = {k: int(v) for k, v in (_loads(values["tokens"]) or {}).items()}
+        values["args"] = _loads(values["args"])
+        values["duration_ms"] = finite_ms(values["duration_ms"])
+        return AuditEntry(**values)
+    except (TypeError, ValueError, AttributeError, StoreError):
+        return _salvaged(dict(zip(AUDIT_SELECT, row, strict=True)))
+
+
+def _salvaged(values: dict[str, Any]) -> AuditEntry:
+    """A row no store writes (its file's owner, or another program, put other values in it),
+    read as far as it goes: what does not parse is shown as its text, or left out. Its row
+    hash no longer matches, so ``toolguard audit verify`` reports it."""
+    def text(value: Any) -> str | None:
+        if value is None or value == "":
+            return None
+        return value.hex() if isinstance(value, bytes) else str(value)
+
+    def loaded(value: Any) -> Any:
+        try:
+            return _loads(value)
+        except (TypeError, ValueError):
+            return text(value)
+
+    try:
+        at: datetime | None = datetime.fromisoformat(str(values["at"])) if values["at"] else None
+    except ValueError:
+        at = None
+    if at is not None and at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    keys = loaded(values["keys"])
+    tokens = loaded(values["tokens"])
+    try:
+        duration = finite_ms(values["duration_ms"])
+    except (TypeError, ValueError):
+        duration = None
+    node = values["node_attempt"]
+    version = text(values["policy_version"])
+    return AuditEntry(
+        id=values["id"] if isinstance(values["id"], int) else None, at=at,
+        decision=text(values["decision"]) or "?", reason=text(values["reason"]) or "?",
+        tool=text(values["tool"]), agent=text(values["agent"]),
+        intent_id=text(values["intent_id"]), idempotency_key=text(values["idempotency_key"]),
+        workflow=text(values["workflow"]),
+        keys=tuple(str(k) for k in keys) if isinstance(keys, list) else (),
+        tokens={str(k): v for k, v in tokens.items() if isinstance(v, int)}
+        if isinstance(tokens, dict) else {},
+        args=loaded(values["args"]), detail=text(values["detail"]), duration_ms=duration,
+        node_attempt=node if isinstance(node, int) and not isinstance(node, bool) else None,
+        policy_version=version if version and len(version) <= POLICY_VERSION_MAX else None)
 
 
 def _conflict(key: str, tool: str) -> IdempotencyConflict:
@@ -216,6 +270,10 @@ def _file_of(path: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return (found.st_dev, found.st_ino)
+
+
+def _lenient_text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
 
 
 class _Connections:
@@ -590,7 +648,14 @@ class SqliteStore:
         where, params = query.where(DIALECT, _iso)
         tail, more = query.tail()
         with self.connection() as conn:
-            rows = conn.execute(qmark(AUDIT_QUERY + where + tail), [*params, *more]).fetchall()
+            # Text another program wrote that is not UTF-8 reads with U+FFFD in place of the
+            # bad bytes, not as an error.
+            previous = conn.text_factory
+            conn.text_factory = _lenient_text
+            try:
+                rows = conn.execute(qmark(AUDIT_QUERY + where + tail), [*params, *more]).fetchall()
+            finally:
+                conn.text_factory = previous
         return [_entry(row) for row in rows]
 
     def seal_audit(self, *, max_rows: int = MAX_SEAL_ROWS, wait_s: float = 5.0) -> SealResult:
