@@ -152,17 +152,22 @@ def tag_contact(contact_id: str, email: str, tool_call_id: Annotated[str, Inject
                            "stage": f"tagged {email}"})
 
 
+def tagging(guard: Any) -> Any:
+    """A checkpointed graph whose one guarded ToolNode holds ``tag_contact``."""
+    graph = StateGraph(Flow)
+    calls = GuardedToolCalls(guard, agent="tester")
+    graph.add_node("tools", ToolNode([tag_contact], wrap_tool_call=calls.wrap_tool_call,
+                                     awrap_tool_call=calls.awrap_tool_call))
+    graph.add_edge(START, "tools")
+    return graph.compile(checkpointer=InMemorySaver())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_replayed_update_holds_no_redacted_value(guarded, mode: str) -> None:
     g = guarded({"version": 1, "defaults": {"agents": ["*"]}, "tools": {
         "tag_contact": {"locks": ["contact:{contact_id}"], "redact": ["email"],
                         "idempotency_key": "tag:{contact_id}"}}})
-    graph = StateGraph(Flow)
-    calls = GuardedToolCalls(g.guard, agent="tester")
-    graph.add_node("tools", ToolNode([tag_contact], wrap_tool_call=calls.wrap_tool_call,
-                                     awrap_tool_call=calls.awrap_tool_call))
-    graph.add_edge(START, "tools")
-    app = graph.compile(checkpointer=InMemorySaver())
+    app = tagging(g.guard)
     config = {"configurable": {"thread_id": "t1"}}
     args = {"contact_id": "C-1", "email": "ana@example.com"}
     first = run(app, mode, ai(tool_call("tag_contact", args, "c1")), config)
@@ -183,12 +188,7 @@ def test_a_redacted_value_that_names_a_part_of_the_record_still_replays(guarded,
     g = guarded({"version": 1, "defaults": {"agents": ["*"]}, "tools": {
         "tag_contact": {"locks": ["contact:{contact_id}"], "redact": ["email"],
                         "idempotency_key": "tag:{contact_id}"}}})
-    graph = StateGraph(Flow)
-    calls = GuardedToolCalls(g.guard, agent="tester")
-    graph.add_node("tools", ToolNode([tag_contact], wrap_tool_call=calls.wrap_tool_call,
-                                     awrap_tool_call=calls.awrap_tool_call))
-    graph.add_edge(START, "tools")
-    app = graph.compile(checkpointer=InMemorySaver())
+    app = tagging(g.guard)
     config = {"configurable": {"thread_id": "t1"}}
     args = {"contact_id": "C-1", "email": email}
     run(app, mode, ai(tool_call("tag_contact", args, "c1")), config)

@@ -129,6 +129,18 @@ def _raise_floors(raise_floor: Callable[[str, int], Any], floors: Mapping[str, i
             raise BackendUnavailable(msg) from error
 
 
+async def _araise_floors(locks: AsyncLockManager, floors: Mapping[str, int]) -> None:
+    """The asyncio twin of ``_raise_floors``."""
+    for key, token in floors.items():
+        try:
+            await locks.raise_floor(key, token)
+        except ToolGuardError:
+            raise
+        except Exception as error:
+            msg = f"could not re-seed lock {key!r} to {token}: {error}"
+            raise BackendUnavailable(msg) from error
+
+
 def reseed(locks: LockManager, store: GuardedStore, keys: str | Iterable[str]) -> dict[str, int]:
     """Raise the lock server's floor for ``keys`` to the store's high-water marks.
 
@@ -147,14 +159,7 @@ async def areseed(locks: AsyncLockManager, store: AsyncGuardedStore,
                   keys: str | Iterable[str]) -> dict[str, int]:
     """The asyncio twin of ``reseed``."""
     floors = await store.high_waters(canonical_keys(keys))
-    for key, token in floors.items():
-        try:
-            await locks.raise_floor(key, token)
-        except ToolGuardError:
-            raise
-        except Exception as error:
-            msg = f"could not re-seed lock {key!r} to {token}: {error}"
-            raise BackendUnavailable(msg) from error
+    await _araise_floors(locks, floors)
     if floors:
         log.warning("re-seeded lock tokens from the store: %s", floors)
     return floors
@@ -321,14 +326,7 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
         if recovery is not None:
             await asyncio.sleep(recovery.wait_s())
             await areseed(locks, store, recovery.keys)
-            for key, floor in recovery.floors.items():
-                try:
-                    await locks.raise_floor(key, floor)
-                except ToolGuardError:
-                    raise
-                except Exception as error:
-                    msg = f"could not re-seed lock {key!r} to {floor}: {error}"
-                    raise BackendUnavailable(msg) from error
+            await _araise_floors(locks, recovery.floors)
         lease = await probe.aacquire(
             lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s), ordered, attempt)
         held_since = time.monotonic()
