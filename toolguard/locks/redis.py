@@ -39,6 +39,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+try:
+    from redis.driver_info import DriverInfo
+except ImportError:  # an older redis-py: the version goes in lib_version=
+    DriverInfo = None  # type: ignore[assignment,misc]
+
 from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms
 
@@ -251,9 +256,23 @@ _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 SOCKET_TIMEOUT_S = 5.0
 
 
+def version_options() -> dict[str, Any]:
+    """redis-py's version, given to every connection toolguard builds: without it redis-py
+    looks itself up in the installed distributions (a scan of ``sys.path``) for each new
+    connection, which blocks the event loop of an asyncio client."""
+    if DriverInfo is None:
+        return {"lib_version": redis.__version__}
+    return {"driver_info": DriverInfo(lib_version=redis.__version__)}
+
+
+def client_options() -> dict[str, Any]:
+    """Keyword arguments for a redis-py client toolguard builds from a URL."""
+    return {"socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": SOCKET_TIMEOUT_S,
+            **version_options()}
+
+
 def _client_from_url(factory: Any, url: str) -> Any:
-    return factory.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
-                            socket_connect_timeout=SOCKET_TIMEOUT_S)
+    return factory.from_url(url, **client_options())
 
 
 def _block_cap(client: Any) -> float | None:

@@ -120,8 +120,7 @@ class RedisUrl:
 
     def connection_options(self) -> dict[str, Any]:
         """Keyword arguments for every connection to a Redis node (not to a sentinel)."""
-        found: dict[str, Any] = {"socket_timeout": single.SOCKET_TIMEOUT_S,
-                                 "socket_connect_timeout": single.SOCKET_TIMEOUT_S}
+        found: dict[str, Any] = single.client_options()
         found.update({k: v for k, v in self.options.items() if k in _FLOAT_OPTIONS})
         if self.username:
             found["username"] = self.username
@@ -310,7 +309,8 @@ class AsyncRedisClusterBackend(single.AsyncRedisBackend):
 
 def _sentinel_kwargs(parsed: RedisUrl) -> dict[str, Any]:
     timeout = parsed.options.get("socket_timeout", single.SOCKET_TIMEOUT_S)
-    found: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    found: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout,
+                             **single.version_options()}
     if "sentinel_username" in parsed.options:
         found["username"] = parsed.options["sentinel_username"]
     if "sentinel_password" in parsed.options:

@@ -35,6 +35,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolguard.errors import BackendUnavailable, ConfigurationError
+from toolguard.locks.redis import client_options
 from toolguard.quotas.base import Admitted, Entry, Refused, Verdict, check_charges
 from toolguard.quotas.charges import Charge
 
@@ -184,7 +185,6 @@ return string.format('%.17g', total)
 
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 _PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-SOCKET_TIMEOUT_S = 5.0
 
 
 def _number(value: float) -> bytes:
@@ -247,8 +247,7 @@ class RedisQuotas(_Shared):
     def __init__(self, client: redis.Redis | str = "redis://127.0.0.1:6379/0", *,
                  prefix: str = "tgq") -> None:
         super().__init__(prefix)
-        self.client = (redis.Redis.from_url(client, socket_timeout=SOCKET_TIMEOUT_S,
-                                            socket_connect_timeout=SOCKET_TIMEOUT_S)
+        self.client = (redis.Redis.from_url(client, **client_options())
                        if isinstance(client, str) else client)
         self._scripts = {name: self.client.register_script(text) for name, text in
                          (("admit", ADMIT), ("release", RELEASE), ("renew", RENEW),
@@ -300,8 +299,7 @@ class AsyncRedisQuotas(_Shared):
     def __init__(self, client: aredis.Redis | str = "redis://127.0.0.1:6379/0", *,
                  prefix: str = "tgq") -> None:
         super().__init__(prefix)
-        self.client = (aredis.Redis.from_url(client, socket_timeout=SOCKET_TIMEOUT_S,
-                                             socket_connect_timeout=SOCKET_TIMEOUT_S)
+        self.client = (aredis.Redis.from_url(client, **client_options())
                        if isinstance(client, str) else client)
         self._scripts = {name: self.client.register_script(text) for name, text in
                          (("admit", ADMIT), ("release", RELEASE), ("renew", RENEW),

@@ -393,27 +393,41 @@ class Migration:
 _MIGRATION_NAME = re.compile(r"^(\d{3})_(\w+)\.sql$")
 
 
-def migrations(dialect: Literal["postgresql", "sqlite"]) -> tuple[Migration, ...]:
-    """The schema files shipped in ``toolguard/sql`` (``sql/sqlite`` for SQLite), in order."""
+def _read_shipped(dialect: Literal["postgresql", "sqlite"]) -> tuple[Migration, ...] | str:
+    """The schema files of ``dialect`` read from the package, or why they cannot be."""
     folder = resources.files("toolguard").joinpath("sql")
     if dialect == "sqlite":
         folder = folder.joinpath("sqlite")
     found: list[Migration] = []
     try:
         entries = list(folder.iterdir())
-    except (FileNotFoundError, NotADirectoryError) as error:
-        msg = f"toolguard's SQL files are missing from the installation ({folder}): {error}"
-        raise ConfigurationError(msg) from error
-    for entry in entries:
-        match = _MIGRATION_NAME.match(entry.name)
-        if match and entry.is_file():
-            found.append(Migration(int(match.group(1)), f"{match.group(1)}_{match.group(2)}",
-                                   entry.read_text(encoding="utf-8")))
-    found.sort(key=lambda m: m.version)
+        for entry in entries:
+            match = _MIGRATION_NAME.match(entry.name)
+            if match and entry.is_file():
+                found.append(Migration(int(match.group(1)), f"{match.group(1)}_{match.group(2)}",
+                                       entry.read_text(encoding="utf-8")))
+    except OSError as error:
+        return f"toolguard's SQL files are missing from the installation ({folder}): {error}"
     if not found:
-        msg = f"no schema files found in {folder}"
-        raise ConfigurationError(msg)
+        return f"no schema files found in {folder}"
+    found.sort(key=lambda m: m.version)
     return tuple(found)
+
+
+#: The packaged schema files, read once at import: the async paths check a store's schema
+#: version on their first call, and reading files there would block the event loop.
+_SHIPPED: dict[str, tuple[Migration, ...] | str] = {
+    dialect: _read_shipped(dialect) for dialect in ("postgresql", "sqlite")}
+
+
+def migrations(dialect: Literal["postgresql", "sqlite"]) -> tuple[Migration, ...]:
+    """The schema files shipped in ``toolguard/sql`` (``sql/sqlite`` for SQLite), in order.
+
+    Read once, when toolguard is imported (no file I/O here: async paths call this)."""
+    shipped = _SHIPPED[dialect]
+    if isinstance(shipped, str):
+        raise ConfigurationError(shipped)
+    return shipped
 
 
 def latest_version(dialect: Literal["postgresql", "sqlite"]) -> int:
