@@ -497,7 +497,7 @@ class AsyncLockManager(_ManagerBase):
 
     async def aclose(self) -> None:
         await self.backend.aclose()
-        self.renewer.close()
+        await asyncio.to_thread(self.renewer.close)  # joins threads, closes pools: not in the loop
 
     async def __aenter__(self) -> AsyncLockManager:
         return self
