@@ -67,6 +67,7 @@ from toolguard.steps.quota import aadmit, admit, aheld, held
 from toolguard.steps.schema import SchemaCheck
 from toolguard.steps.shadow import ShadowRow
 from toolguard.steps.validate import facts_of, prepare
+from toolguard.steps.wiring import check_slot
 from toolguard.store import AsyncGuardedStore, GuardedStore
 from toolguard.store.base import AuditEntry, was_audited
 from toolguard.store.recovery import arun_fenced, run_fenced
@@ -103,7 +104,8 @@ class ToolGuard:
 
     Give it a sync pair (``locks=``, ``store=``) for ``run``, an asyncio pair
     (``async_locks=``, ``async_store=``) for ``arun``, or both; a path without
-    its pair raises ``GuardMisconfigured`` at its first call.
+    its pair raises ``GuardMisconfigured`` at its first call, and an object in
+    the other face's slot (``connect_async()`` as ``locks=``...) at once.
 
     ``policy`` is a ``Policy``, or a ``PolicyWatcher`` whose current policy
     each call reads once (hot reload). The production controls run on the
@@ -137,6 +139,11 @@ class ToolGuard:
             msg = (f"ToolGuard needs a Policy (load_policy(...) or Policy.from_dict(...)) or a "
                    f"PolicyWatcher, got {type(given).__name__}")
             raise GuardMisconfigured(msg)
+        for name, value in (("locks", locks), ("store", store), ("async_locks", async_locks),
+                            ("async_store", async_store), ("quotas", quotas),
+                            ("async_quotas", async_quotas), ("approvals", approvals),
+                            ("async_approvals", async_approvals)):
+            check_slot(name, value)  # a sync object in an asyncio slot, or the reverse
         for sync, edge, names in ((locks, store, "locks= and store="),
                                   (async_locks, async_store, "async_locks= and async_store=")):
             if (sync is None) != (edge is None):
@@ -162,6 +169,45 @@ class ToolGuard:
             self._watcher.schemas = lambda: dict(self._models)  # reloads are checked against them
         for name, source in (schemas or {}).items():
             self.register(name, source, stacklevel=3)
+
+    # The edges may be set after construction too (an app opening its asyncio pair in its
+    # event loop); each assignment is checked as the constructor's arguments are.
+
+    @property
+    def locks(self) -> LockManager | None:
+        return self._locks
+
+    @locks.setter
+    def locks(self, value: LockManager | None) -> None:
+        check_slot("locks", value)
+        self._locks = value
+
+    @property
+    def store(self) -> GuardedStore | None:
+        return self._store
+
+    @store.setter
+    def store(self, value: GuardedStore | None) -> None:
+        check_slot("store", value)
+        self._store = value
+
+    @property
+    def async_locks(self) -> AsyncLockManager | None:
+        return self._async_locks
+
+    @async_locks.setter
+    def async_locks(self, value: AsyncLockManager | None) -> None:
+        check_slot("async_locks", value)
+        self._async_locks = value
+
+    @property
+    def async_store(self) -> AsyncGuardedStore | None:
+        return self._async_store
+
+    @async_store.setter
+    def async_store(self, value: AsyncGuardedStore | None) -> None:
+        check_slot("async_store", value)
+        self._async_store = value
 
     @property
     def policy(self) -> Policy:
