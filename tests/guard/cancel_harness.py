@@ -17,7 +17,6 @@ same call applies its effect once in total, and the next calls succeed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
@@ -26,7 +25,9 @@ from typing import Any
 from guard.harness import Harness
 from toolguard.context import CallContext
 from toolguard.decision import Decision
+from toolguard.guard import ToolGuard
 from toolguard.intent import Intent
+from toolguard.steps.schema import SchemaCheck
 
 __all__ = ["Counted", "Sweep", "sweep"]
 
@@ -119,6 +120,7 @@ async def sweep(h: Harness, make_intent: Callable[[str], Intent], *, keys: tuple
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
 
+    cold(guard)
     first = Counted(guard.arun(make_intent("count"), run_body))
     decision: Decision = await first
     assert decision.kind == expect_first, decision
@@ -128,13 +130,14 @@ async def sweep(h: Harness, make_intent: Callable[[str], Intent], *, keys: tuple
     for point in range(1, found.points + 1):
         call_id = f"cancel-{point}"
         intent = make_intent(call_id)
+        cold(guard)
         counted = Counted(guard.arun(intent, run_body), cancel_at=point)
-        outcome = "completed"
         try:
             reached = await asyncio.create_task(_await(counted))
-            outcome = f"completed:{reached.kind}"
         except asyncio.CancelledError:
             outcome = "cancelled"
+        else:  # every point of this run is one of the counting run's: none is left out
+            raise AssertionError(f"not cancelled at point {point} of {found.points}: {reached}")
         found.outcomes.append(outcome)
         await _idle(h)
         gc.collect()
@@ -171,11 +174,13 @@ async def sweep(h: Harness, make_intent: Callable[[str], Intent], *, keys: tuple
     return found
 
 
+def cold(guard: ToolGuard) -> None:
+    """Make the next call take every step: its store's schema is checked again (the guard
+    checks it once per store; the harness's guards read the kill switch on every call)."""
+    guard._schema = SchemaCheck()
+
+
 async def _await(counted: Counted) -> Any:
     return await counted
 
 
-@contextlib.asynccontextmanager
-async def edges(h: Harness) -> Any:
-    async with h.async_edges() as guard:
-        yield guard

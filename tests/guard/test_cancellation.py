@@ -17,6 +17,7 @@ import pytest
 
 from guard.cancel_harness import Sweep, sweep
 from guard.harness import Backend, Harness
+from toolguard.guard import ToolGuard
 from toolguard.intent import Intent
 
 #: path name -> (policy, decision kind of the uncancelled call)
@@ -74,6 +75,8 @@ def case_harness(request: pytest.FixtureRequest, tmp_path: Path,
     def build(setup: str, policy: dict[str, Any]) -> Harness:
         backend = make_backend(setup, request, tmp_path, unique)
         h = Harness(backend, policy)
+        # the kill switch read on every call: the same await points on every run
+        h.guard = ToolGuard(h.policy, locks=h.locks, store=h.store, pause_cache_s=0)
         made.append((h, backend))
         return h
 

@@ -76,8 +76,9 @@ class Controls:
               async_quotas: AsyncQuotaBackend | str | None = None,
               pauses: bool = True, pause_cache_s: float = 1.0,
               approvals: ApprovalBook | None = None,
-              async_approvals: AsyncApprovalBook | None = None) -> Controls:
-        """The controls for these stores; raises ``GuardMisconfigured`` for a policy they cannot run."""
+              async_approvals: AsyncApprovalBook | None = None, probe: bool = True) -> Controls:
+        """The controls for these stores; raises ``GuardMisconfigured`` for a policy they cannot
+        run. ``probe``: ask the sync quota backend once (a round trip: not in an event loop)."""
         sync_backend: QuotaBackend | None = _backend(quotas, store, quota_backend)
         async_backend: AsyncQuotaBackend | None = _backend(
             async_quotas if async_quotas is not None else
@@ -96,15 +97,19 @@ class Controls:
                          "pause_cache_s": pause_cache_s, "approvals": approvals,
                          "async_approvals": async_approvals}
         built.built_for = (id(store), id(async_store))
-        built.check(policy, probe=True)
+        built.check(policy, probe=probe)
         return built
 
     def follow(self, policy: Policy, store: GuardedStore | None,
                async_store: AsyncGuardedStore | None) -> Controls:
-        """These controls, or new ones if the guard's stores were replaced since (same options)."""
+        """These controls, or new ones if the guard's stores were replaced since (same options).
+
+        Called at a call's start, maybe in its event loop: the new ones are not probed (a
+        backend that cannot be reached fails that call as it would)."""
         if (id(store), id(async_store)) == self.built_for or self.options is None:
             return self
-        return Controls.build(policy, store=store, async_store=async_store, **self.options)
+        return Controls.build(policy, store=store, async_store=async_store, **self.options,
+                              probe=False)
 
     def check(self, policy: Policy, *, probe: bool = False) -> None:
         """Raise ``GuardMisconfigured`` if ``policy`` asks for a control these stores lack."""
