@@ -392,11 +392,22 @@ class ToolGuard:
                    interrupt: Interrupt | None = None) -> Decision:
         """The asyncio twin of ``run``; ``execute`` is a coroutine function."""
         state = _Call(intent, self.policy)
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
+
+        def swallowed() -> None:
+            """A cancellation a library returned through (``asyncio.wait_for`` before 3.12
+            returns a result that arrived as the task was cancelled) is raised here, at the
+            next step, rather than lost: the caller gave up on this call."""
+            if task is not None and task.cancelling() > cancels:
+                raise asyncio.CancelledError
+
         with telemetry.start_call(intent, state.policy.tools) as call:
             try:
                 locks, store = self._async_edges()
                 await self._schema.acheck(store)
                 await acheck_pause(self.controls.async_pauses, intent)
+                swallowed()
                 state.prepared = self._traced_prepare(state, call)
 
                 async def asked(request: ApprovalRequired) -> None:
@@ -406,12 +417,14 @@ class ToolGuard:
                     self.controls.async_approvals, state.prepared,
                     facts_of(intent, state.prepared), state.enforcement, call_id=intent.call_id,
                     interrupt=interrupt, on_request=asked)
+                swallowed()
                 state.prepared = prepared = self._edited(state, approved, call)
                 admission = await aadmit(self.controls.async_quotas, prepared,
                                          facts_of(intent, prepared), state.enforcement,
                                          store=store)
                 await self._aaudit_entry(state.shadow_entry(), call)
                 async with aheld(admission) as done:
+                    swallowed()  # inside: the admission is finished either way
                     decision = await self._aexecute(state, prepared, execute, call, locks, store)
                     state.decided = True
                     done.applied = decision.ok

@@ -106,7 +106,7 @@ async def _idle(h: Harness) -> None:
         await asyncio.sleep(0)
 
 
-async def sweep(h: Harness, make_intent: Callable[[str], Intent], *, keys: tuple[str, ...],
+async def sweep(h: Harness, make_intent: Callable[..., Intent], *, keys: tuple[str, ...],
                 expect_first: str, body: Body | None = None) -> Sweep:
     """Count ``make_intent``'s await points, then cancel at each one and check the aftermath.
 
@@ -127,6 +127,20 @@ async def sweep(h: Harness, make_intent: Callable[[str], Intent], *, keys: tuple
     found.points = first.points
     await _idle(h)
 
+    other = h.backend.alocks()  # another manager, as another process would take the keys
+    try:
+        await _sweep_points(h, make_intent, keys, expect_first, run_body, found, unretrieved,
+                            other)
+    finally:
+        await other.aclose()
+    loop.set_exception_handler(None)
+    return found
+
+
+async def _sweep_points(h: Harness, make_intent: Callable[..., Intent], keys: tuple[str, ...],
+                        expect_first: str, run_body: Body, found: Sweep,
+                        unretrieved: list[dict[str, Any]], other: Any) -> None:
+    guard = h.guard
     for point in range(1, found.points + 1):
         call_id = f"cancel-{point}"
         intent = make_intent(call_id)
@@ -136,8 +150,11 @@ async def sweep(h: Harness, make_intent: Callable[[str], Intent], *, keys: tuple
             reached = await asyncio.create_task(_await(counted))
         except asyncio.CancelledError:
             outcome = "cancelled"
-        else:  # every point of this run is one of the counting run's: none is left out
-            raise AssertionError(f"not cancelled at point {point} of {found.points}: {reached}")
+        else:
+            # Network I/O suspends a varying number of times (a reply already there or not):
+            # a run with fewer points than ``point`` ends before it, and is checked the same.
+            assert counted.points < point, (point, counted.points, reached)
+            outcome = f"completed:{reached.kind}"
         found.outcomes.append(outcome)
         await _idle(h)
         gc.collect()
@@ -146,15 +163,13 @@ async def sweep(h: Harness, make_intent: Callable[[str], Intent], *, keys: tuple
 
         # the lease is released: another manager takes the keys at once
         if keys:
-            other = h.backend.alocks()
-            try:
-                lease = await other.acquire(list(keys), timeout_s=10)
-                await lease.arelease()
-            finally:
-                await other.aclose()
+            lease = await other.acquire(list(keys), timeout_s=10)
+            await lease.arelease()
 
         rows = await asyncio.to_thread(h.decisions, call_id)
         assert len(rows) == 1, (point, outcome, rows)
+        if outcome != "cancelled":
+            assert rows[0][0] == expect_first, (point, rows)
         if outcome == "cancelled":
             assert rows[0][0] in ("unknown", expect_first, "replayed"), (point, rows)
 
@@ -170,8 +185,6 @@ async def sweep(h: Harness, make_intent: Callable[[str], Intent], *, keys: tuple
         follow = await asyncio.gather(*(guard.arun(make_intent(f"after-{point}-{n}", lead=f"f{n}"),
                                                    run_body) for n in range(FOLLOW_UP)))
         assert all(d.kind == expect_first for d in follow), [d.kind for d in follow]
-    loop.set_exception_handler(None)
-    return found
 
 
 def cold(guard: ToolGuard) -> None:

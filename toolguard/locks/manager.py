@@ -51,9 +51,10 @@ import contextlib
 import random
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections import deque
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from toolguard.errors import (
     BackendUnavailable,
@@ -74,6 +75,8 @@ from toolguard.locks.base import (
 from toolguard.locks.lease import RENEW_FRACTION, Lease, heartbeat
 
 __all__ = ["AsyncLockManager", "LockManager"]
+
+T = TypeVar("T")
 
 #: Longest a waiter sleeps without re-checking the key: bounds the delay after a
 #: crashed holder's TTL runs out, and keeps the waiter's place in the queue alive.
@@ -208,45 +211,75 @@ def _check_keys_and_options(keys: str | Iterable[str], ttl_ms: int | None,
     return canonical_keys(keys)
 
 
+async def _not_swallowing(call: Awaitable[T]) -> T:
+    """Await ``call``; if it returned although this task was cancelled meanwhile, raise the
+    cancellation. ``asyncio.wait_for`` before Python 3.12 returns the result of a call that
+    finished as it was cancelled (redis-py awaits its socket writes that way), so a task
+    cancelled at that point would otherwise go on, holding the lock it was just granted."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    result = await call
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError
+    return result
+
+
 class _Holds:
     """The keys this manager's acquisitions hold or are taking, and who waits for each.
 
     A key claimed by one owner is not taken by another owner of this manager, whatever
     the server answers: the server may have forgotten a live lease (a Redis restarted
     without persistence, a lock record deleted), and the process knows its own leases.
-    A second acquisition of a held key waits here for the local release, as another
-    process waits in the server's queue, until its own deadline. Claims are taken in
-    the keys' canonical order, as on the server, so local waits cannot deadlock either.
-
-    The dictionaries are only changed by single operations (``setdefault``, ``pop``) or
-    under ``_mutex``, a lock held for a few dictionary operations, never across I/O.
+    A second acquisition of a held key waits here for the local release, in FIFO order,
+    as another process waits in the server's queue, until its own deadline. Claims are
+    taken in the keys' canonical order, as on the server, so local waits cannot deadlock.
+    A release hands the claim to the first waiter. ``_mutex`` is held for a few
+    dictionary operations, never across I/O.
     """
 
     def __init__(self) -> None:
         self._owners: dict[str, str] = {}
-        self._wakers: dict[str, list[Callable[[], None]]] = {}
+        self._queues: dict[str, deque[tuple[str, Callable[[], None]]]] = {}
         self._mutex = threading.Lock()
 
     def claim(self, key: str, owner: str) -> bool:
-        """Claim ``key`` for ``owner``; False while another owner has it."""
-        return self._owners.setdefault(key, owner) == owner
+        """Claim ``key`` for ``owner`` if nobody has it; True if ``owner`` has it now."""
+        with self._mutex:
+            return self._owners.setdefault(key, owner) == owner
+
+    def queue(self, key: str, owner: str, wake: Callable[[], None]) -> bool:
+        """Wait in line for ``key``: True if claimed at once, else ``wake()`` once handed."""
+        with self._mutex:
+            if self._owners.setdefault(key, owner) == owner:
+                return True
+            self._queues.setdefault(key, deque()).append((owner, wake))
+            return False
+
+    def withdraw(self, key: str, owner: str) -> bool:
+        """Leave the line for ``key``; True if the claim was handed to ``owner`` meanwhile."""
+        with self._mutex:
+            line = self._queues.get(key)
+            if line:
+                kept = deque(entry for entry in line if entry[0] != owner)
+                if kept:
+                    self._queues[key] = kept
+                else:
+                    del self._queues[key]
+            return self._owners.get(key) == owner
 
     def free(self, key: str, owner: str) -> None:
-        """Drop ``owner``'s claim on ``key`` (if it has it) and wake whoever waits for it."""
+        """Drop ``owner``'s claim on ``key`` (if it has it); hand it to the first in line."""
         with self._mutex:
             if self._owners.get(key) != owner:
                 return
-            del self._owners[key]
-            wakers = self._wakers.pop(key, [])
-        for wake in wakers:
-            wake()
-
-    def when_free(self, key: str, wake: Callable[[], None]) -> None:
-        """Call ``wake()`` once ``key`` has no claim (at once if it has none now)."""
-        with self._mutex:
-            if key in self._owners:
-                self._wakers.setdefault(key, []).append(wake)
+            line = self._queues.get(key)
+            if not line:
+                del self._owners[key]
                 return
+            following, wake = line.popleft()
+            if not line:
+                del self._queues[key]
+            self._owners[key] = following
         wake()
 
     def holder(self, key: str) -> str | None:
@@ -408,14 +441,14 @@ class LockManager(_ManagerBase):
                 # Handed over too long ago (this process was stopped?): ask again.
 
     def _claim(self, key: str, owner: str, until: float) -> bool:
-        """Claim ``key`` in this manager, waiting for its local holder until ``until``."""
-        while not self._holds.claim(key, owner):
-            freed = threading.Event()
-            self._holds.when_free(key, freed.set)
-            left = until - time.monotonic()
-            if left <= 0 or not freed.wait(left):
-                return self._holds.claim(key, owner)
-        return True
+        """Claim ``key`` in this manager, waiting in line behind its local holder until
+        ``until``."""
+        handed = threading.Event()
+        if self._holds.queue(key, owner, handed.set):
+            return True
+        if handed.wait(max(0.0, until - time.monotonic())):
+            return True
+        return self._holds.withdraw(key, owner)
 
     def _leave(self, key: str, owner: str) -> None:
         try:
@@ -525,7 +558,7 @@ class AsyncLockManager(_ManagerBase):
         while True:
             sent = time.monotonic()
             try:
-                attempt = await self.backend.try_acquire(key, owner, plan.ttl_ms)
+                attempt = await _not_swallowing(self.backend.try_acquire(key, owner, plan.ttl_ms))
             except BackendUnavailable as error:
                 pause = plan.retry_s(error, until)
                 if pause is None:
@@ -547,7 +580,7 @@ class AsyncLockManager(_ManagerBase):
                 await self._leave(key, owner)
                 return None
             try:
-                handed = await self.backend.wait(key, owner, poll)
+                handed = await _not_swallowing(self.backend.wait(key, owner, poll))
             except BackendUnavailable as error:
                 pause = plan.retry_s(error, until)
                 if pause is None:
@@ -563,25 +596,26 @@ class AsyncLockManager(_ManagerBase):
     async def _claim(self, key: str, owner: str, until: float) -> bool:
         """As ``LockManager._claim``; the wait is a future woken from whichever thread frees."""
         loop = asyncio.get_running_loop()
-        while not self._holds.claim(key, owner):
-            freed: asyncio.Future[None] = loop.create_future()
+        handed: asyncio.Future[None] = loop.create_future()
 
-            def wake(future: asyncio.Future[None] = freed) -> None:
-                def settle() -> None:
-                    if not future.done():
-                        future.set_result(None)
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(settle)
+        def wake() -> None:
+            def settle() -> None:
+                if not handed.done():
+                    handed.set_result(None)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(settle)
 
-            self._holds.when_free(key, wake)
-            left = until - time.monotonic()
-            if left <= 0:
-                return self._holds.claim(key, owner)
-            try:
-                await asyncio.wait_for(freed, left)
-            except TimeoutError:
-                return self._holds.claim(key, owner)
-        return True
+        if self._holds.queue(key, owner, wake):
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(handed), max(0.001, until - time.monotonic()))
+            return True
+        except TimeoutError:
+            return self._holds.withdraw(key, owner)
+        except BaseException:
+            if self._holds.withdraw(key, owner):  # handed meanwhile: give it on
+                self._holds.free(key, owner)
+            raise
 
     async def _leave(self, key: str, owner: str) -> None:
         try:
