@@ -139,7 +139,7 @@ def test_a_quota_never_refuses_a_replay(harness: Any, asynchronous: bool) -> Non
         return out
 
     async def sync_run(call: Any) -> Any:
-        return h.guard.run(call, write)
+        return await asyncio.to_thread(h.guard.run, call, write)  # the sync path: off the loop
 
     applied, other, replay, changed = asyncio.run(scenario() if asynchronous
                                                   else steps(sync_run))
