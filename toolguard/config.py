@@ -40,7 +40,7 @@ class Settings(BaseSettings):
             return self.lock_url
         if self.redis_url:
             return self.redis_url
-        return f"sqlite:///{self.home.absolute() / 'locks.db'}"
+        return f"sqlite:///{self.home / 'locks.db'}"  # relative to the working directory
 
     def resolved_store_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.home.absolute() / 'store.db'}"
+        return self.database_url or f"sqlite:///{self.home / 'store.db'}"

@@ -239,21 +239,64 @@ class _Holds:
 
     def __init__(self) -> None:
         self._owners: dict[str, str] = {}
+        self._leases: dict[str, Lease] = {}
         self._queues: dict[str, deque[tuple[str, Callable[[], None]]]] = {}
         self._mutex = threading.Lock()
+
+    def held(self, lease: Lease) -> None:
+        """``lease`` holds its keys: a claim counts while the lease is live (held, not lost,
+        not past its local deadline: a holder paused past it is no longer live)."""
+        with self._mutex:
+            for key in lease.keys:
+                if self._owners.get(key) == lease.owner:
+                    self._leases[key] = lease
+
+    def expiry(self, key: str) -> float | None:
+        """The local deadline of the lease holding ``key``, if one does."""
+        lease = self._leases.get(key)
+        return lease.deadline if lease is not None else None
+
+    def _drop_stale(self, key: str) -> Callable[[], None] | None:
+        """Under ``_mutex``: a claim whose lease is no longer live is dropped (handed on)."""
+        lease = self._leases.get(key)
+        if lease is None or lease.owner != self._owners.get(key):
+            return None
+        if not (lease.released or lease._lost or time.monotonic() > lease.deadline):
+            return None
+        return self._hand_on(key)
+
+    def _hand_on(self, key: str) -> Callable[[], None] | None:
+        """Under ``_mutex``: the claim on ``key`` goes to the first in line (or nobody)."""
+        self._leases.pop(key, None)
+        line = self._queues.get(key)
+        if not line:
+            self._owners.pop(key, None)
+            return None
+        following, wake = line.popleft()
+        if not line:
+            del self._queues[key]
+        self._owners[key] = following
+        return wake
 
     def claim(self, key: str, owner: str) -> bool:
         """Claim ``key`` for ``owner`` if nobody has it; True if ``owner`` has it now."""
         with self._mutex:
-            return self._owners.setdefault(key, owner) == owner
+            wake = self._drop_stale(key)
+            mine = self._owners.setdefault(key, owner) == owner
+        if wake is not None:
+            wake()
+        return mine
 
     def queue(self, key: str, owner: str, wake: Callable[[], None]) -> bool:
         """Wait in line for ``key``: True if claimed at once, else ``wake()`` once handed."""
         with self._mutex:
-            if self._owners.setdefault(key, owner) == owner:
-                return True
-            self._queues.setdefault(key, deque()).append((owner, wake))
-            return False
+            handed = self._drop_stale(key)
+            mine = self._owners.setdefault(key, owner) == owner
+            if not mine:
+                self._queues.setdefault(key, deque()).append((owner, wake))
+        if handed is not None:
+            handed()
+        return mine
 
     def withdraw(self, key: str, owner: str) -> bool:
         """Leave the line for ``key``; True if the claim was handed to ``owner`` meanwhile."""
@@ -272,15 +315,9 @@ class _Holds:
         with self._mutex:
             if self._owners.get(key) != owner:
                 return
-            line = self._queues.get(key)
-            if not line:
-                del self._owners[key]
-                return
-            following, wake = line.popleft()
-            if not line:
-                del self._queues[key]
-            self._owners[key] = following
-        wake()
+            wake = self._hand_on(key)
+        if wake is not None:
+            wake()
 
     def holder(self, key: str) -> str | None:
         return self._owners.get(key)
@@ -344,6 +381,7 @@ class _ManagerBase:
                       owner=plan.owner, ttl_ms=plan.ttl_ms, acquired_at=acquired_at,
                       backend=renewer, releaser=self, first_ttl_ms=first_ttl_ms)
         heartbeat().add(lease)
+        self._holds.held(lease)
         lease.on_lost(self._on_lost)
         return lease
 
@@ -443,12 +481,19 @@ class LockManager(_ManagerBase):
     def _claim(self, key: str, owner: str, until: float) -> bool:
         """Claim ``key`` in this manager, waiting in line behind its local holder until
         ``until``."""
-        handed = threading.Event()
-        if self._holds.queue(key, owner, handed.set):
-            return True
-        if handed.wait(max(0.0, until - time.monotonic())):
-            return True
-        return self._holds.withdraw(key, owner)
+        while True:
+            handed = threading.Event()
+            if self._holds.queue(key, owner, handed.set):
+                return True
+            expiry = self._holds.expiry(key)
+            wake_at = until if expiry is None else min(until, expiry + 0.001)
+            if handed.wait(max(0.0, wake_at - time.monotonic())):
+                return True
+            if self._holds.withdraw(key, owner):
+                return True
+            if time.monotonic() >= until:
+                return False
+            # the local holder's lease ran out meanwhile: ask again (its claim is stale)
 
     def _leave(self, key: str, owner: str) -> None:
         try:
@@ -605,17 +650,24 @@ class AsyncLockManager(_ManagerBase):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(settle)
 
-        if self._holds.queue(key, owner, wake):
-            return True
-        try:
-            await asyncio.wait_for(asyncio.shield(handed), max(0.001, until - time.monotonic()))
-            return True
-        except TimeoutError:
-            return self._holds.withdraw(key, owner)
-        except BaseException:
-            if self._holds.withdraw(key, owner):  # handed meanwhile: give it on
-                self._holds.free(key, owner)
-            raise
+        while True:
+            if self._holds.queue(key, owner, wake):
+                return True
+            expiry = self._holds.expiry(key)
+            wake_at = until if expiry is None else min(until, expiry + 0.001)
+            try:
+                await asyncio.wait_for(asyncio.shield(handed),
+                                       max(0.001, wake_at - time.monotonic()))
+                return True
+            except TimeoutError:
+                if self._holds.withdraw(key, owner):
+                    return True
+                if time.monotonic() >= until:
+                    return False
+            except BaseException:
+                if self._holds.withdraw(key, owner):  # handed meanwhile: give it on
+                    self._holds.free(key, owner)
+                raise
 
     async def _leave(self, key: str, owner: str) -> None:
         try:

@@ -75,8 +75,7 @@ def check_slot(name: str, value: object) -> None:
         return
     face = _face(value, slot)
     kind = type(value).__name__
-    if face == slot.face and (slot.name not in ("locks", "async_locks")
-                              or isinstance(value, LockManager | AsyncLockManager)):
+    if face == slot.face:  # a wrapper of a manager (with its ``acquire``) is taken as given
         return
     if face is not None and face != slot.face:
         article = "an asyncio" if face == "asyncio" else "a sync"
