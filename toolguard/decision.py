@@ -99,7 +99,7 @@ MODEL_TEXTS: Mapping[str, str] = {
     "duplicate": "this call had already been applied; the result recorded then is returned and "
                  "nothing ran again.",
 }
-_GENERIC = "toolguard could not complete this call; the details are in its audit log."
+_GENERIC = "toolguard could not complete this call. Try again later, or tell the user."
 
 
 class ToolFailed(ToolGuardError):
