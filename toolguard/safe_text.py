@@ -38,9 +38,9 @@ _MAX_BITS = 1_000
 
 def _digits(value: int) -> str:
     """The decimal text of ``value``, or a description when it is long (never converts it)."""
-    if value.bit_length() <= _MAX_BITS:  # far below the interpreter's 4,300-digit limit
+    if int.bit_length(value) <= _MAX_BITS:  # far below the interpreter's 4,300-digit limit
         return int.__repr__(value)
-    approx = int(value.bit_length() * 0.30103) + 1
+    approx = int(int.bit_length(value) * 0.30103) + 1
     return f"<an integer of about {approx} digits>"
 
 
@@ -76,7 +76,9 @@ def _type_name(value: Any) -> str:
 
 
 def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
+    if len(text) <= limit:
+        return text
+    return text[:limit - 3] + "..." if limit > 3 else text[:max(limit, 0)]
 
 
 def safe_repr(value: Any, limit: int = REPR_LIMIT) -> str:
@@ -100,13 +102,13 @@ def safe_str(value: Any, limit: int = TEXT_LIMIT) -> str:
         if isinstance(value, str):
             return _cut(str.__str__(value), limit)
         if isinstance(value, bool):
-            return "True" if value else "False"
+            return _cut("True" if value else "False", limit)
         if isinstance(value, int):
             return _cut(_digits(int.__int__(value)), limit)
         if isinstance(value, float):
             return _cut(float.__repr__(value), limit)
         if isinstance(value, uuid.UUID):
-            return uuid.UUID.__str__(value)
+            return _cut(uuid.UUID.__str__(value), limit)
     except Exception:
         return f"<{_type_name(value)} object>"
     return safe_repr(value, min(limit, REPR_LIMIT))
