@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 from toolguard.errors import BackendUnavailable, ConfigurationError, ToolGuardError
 from toolguard.safe_text import text_of
@@ -103,7 +104,7 @@ def failure(backend: str, error: BaseException, where: str = "") -> ToolGuardErr
     return BackendUnavailable(f"{backend}: {text_of(error, 2_000)}")
 
 
-def postgres_probe_options(options: dict[str, object] | None = None) -> dict[str, object]:
+def postgres_probe_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Options of the one direct connection a PostgreSQL backend makes before its pool.
 
     Short: a server that is down or slow is not a verdict (the pool deals with it);
