@@ -202,3 +202,16 @@ def test_safe_text_survives_depth_past_the_recursion_limit() -> None:
     assert safe_repr(deep) == "[[[[...]]]]"
     assert text_of(deep) == "[[[[...]]]]"
     assert safe_str(HUGE) == "<an integer of about 5001 digits>"
+
+
+@pytest.mark.parametrize("reason", ["stale_fencing_token", "key_not_fenced", "fences_required",
+                                    "backend_unavailable"])
+def test_a_hostile_problem_answer_from_a_fenced_service_is_typed_not_raised(reason: str) -> None:
+    """A service's problem+json is read as data: its detail and keys may be anything."""
+    from toolguard.fences.problems import error_from_problem
+
+    deep = nested(2_000)
+    error = error_from_problem({"reason": reason, "detail": HUGE, "key": deep,
+                                "keys": [HUGE, deep], "missing": [deep]})
+    assert error is not None and error.reason == reason
+    assert len(error.message) < 2_100
