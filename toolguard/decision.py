@@ -170,14 +170,14 @@ def _words(kind: str, reason: str, message: str | None, error: BaseException | N
     """The part of the model's text after the reason code."""
     fixed = MODEL_TEXTS.get(reason, _GENERIC)
     if kind not in ("rejected", "failed"):  # a success, or an outcome not known yet
-        return _GENERIC if fixed is CALL_WORDS else fixed
-    if fixed is CALL_WORDS and (kind == "rejected" or reason == ToolFailed.reason):
+        return _GENERIC if fixed == CALL_WORDS else fixed
+    if fixed == CALL_WORDS and (kind == "rejected" or reason == ToolFailed.reason):
         return storable_text(message or "", MODEL_WORDS_LIMIT) or ""
     if reason == "error" and kind == "failed":
         cause = error.__cause__ if error is not None else None
         what = safe_str(type(cause).__name__, 80) if cause is not None else "an exception"
         return f"the tool failed ({what}); the details are in toolguard's audit log."
-    return _GENERIC if fixed is CALL_WORDS else fixed
+    return _GENERIC if fixed == CALL_WORDS else fixed
 
 
 def model_text_of(kind: str, reason: str, message: str | None = None,

@@ -192,7 +192,7 @@ def _error(reason: str) -> ToolGuardError | None:
 def test_the_model_text_of_each_reason(reason: str) -> None:
     kind, pinned = PINNED[reason]
     words = "args.amount: must be <= 3"  # toolguard's own words about the call
-    uses_words = MODEL_TEXTS.get(reason) is CALL_WORDS
+    uses_words = MODEL_TEXTS.get(reason) == CALL_WORDS
     detail = words if uses_words else OPERATOR_DETAIL
     decision = Decision(kind=kind, reason=reason, intent=_intent(), message=detail,
                         error=_error(reason))
@@ -237,7 +237,7 @@ def test_refusals_built_from_each_error_class_read_their_pinned_text() -> None:
         decision = refusal(_intent(), error)
         kind, pinned = PINNED[cls.reason]
         assert decision.kind == kind, cls
-        if MODEL_TEXTS.get(cls.reason) is not CALL_WORDS:
+        if MODEL_TEXTS.get(cls.reason) != CALL_WORDS:
             assert decision.model_text() == pinned, cls
         checked += 1
     assert checked > 30
