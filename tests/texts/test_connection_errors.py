@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +29,13 @@ from toolguard.store import open_async_store, open_store
 
 NO_HOST = "nosuchhost.invalid"
 PASSWORD = "s3cret-" + uuid.uuid4().hex[:8]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def pg_base(postgres_url: str) -> str:
@@ -139,8 +147,6 @@ def test_a_wrong_password_or_an_unknown_role(password_postgres: PgServer, user: 
 
 def test_a_server_that_is_down_is_still_an_outage(postgres_url: str) -> None:
     """A closed port may open again: ``BackendUnavailable``, as before."""
-    from conftest import free_port
-
     url = f"postgresql://postgres@127.0.0.1:{free_port()}/test"
     with pytest.raises(BackendUnavailable):
         _acquire(url)
@@ -173,8 +179,6 @@ def test_a_host_name_that_does_not_resolve_redis(user: str,
 
 
 def test_a_redis_that_is_down_is_still_an_outage() -> None:
-    from conftest import free_port
-
     with pytest.raises(BackendUnavailable):
         _acquire(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(BackendUnavailable):
@@ -191,7 +195,5 @@ def test_a_host_name_that_does_not_resolve_etcd(use: Any,
 
 
 def test_an_etcd_that_is_down_is_still_an_outage() -> None:
-    from conftest import free_port
-
     with pytest.raises(BackendUnavailable):
         _acquire(f"etcd://127.0.0.1:{free_port()}")
