@@ -52,11 +52,14 @@ def pg_available(bin_dir: Path = PG_BIN) -> str | None:
 
 
 class PgServer:
-    """A throw-away PostgreSQL cluster: trust auth, fsync off, loopback only."""
+    """A throw-away PostgreSQL cluster: trust auth (or a password), fsync off, loopback only."""
 
-    def __init__(self, bin_dir: Path = PG_BIN, port: int | None = None) -> None:
+    def __init__(self, bin_dir: Path = PG_BIN, port: int | None = None,
+                 password: str | None = None) -> None:
         self.bin_dir = bin_dir
         self.port = port or _free_port()
+        #: With a password: scram-sha-256 auth for every connection (else trust).
+        self.password = password
         self.dir = Path(tempfile.mkdtemp(prefix="toolguard-pg-"))
         self.data = self.dir / "data"
         self.logfile = self.dir / "server.log"
@@ -66,7 +69,8 @@ class PgServer:
 
     @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        login = f"postgres:{self.password}" if self.password else "postgres"
+        return f"postgresql://{login}@127.0.0.1:{self.port}/postgres"
 
     def _run(self, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         command = [str(self.bin_dir / argv[0]), *argv[1:]]
@@ -82,7 +86,14 @@ class PgServer:
         return result
 
     def init(self) -> PgServer:
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust",
+        auth = ["--auth=trust"]
+        if self.password:
+            secret = self.dir / "pwfile"
+            secret.write_text(self.password + "\n")
+            if os.geteuid() == 0:
+                shutil.chown(secret, user=OS_USER, group=OS_USER)
+            auth = ["--auth=scram-sha-256", f"--pwfile={secret}"]
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", *auth,
                   "-E", "UTF8", "--no-sync", "--no-instructions")
         self.initialized = True
         return self

@@ -63,6 +63,7 @@ from toolguard.policies.decisions import _violation
 from toolguard.policies.model import ArgConstraint, ToolPolicy
 from toolguard.policies.paths import MISSING, FieldPath
 from toolguard.recording import storable, storable_text
+from toolguard.safe_text import safe_repr
 from toolguard.store.base import AsyncGuardedStore, AuditEntry, GuardedStore, dump_json
 
 __all__ = [
@@ -389,9 +390,8 @@ def check_edit(args: Any) -> None:
 
 
 def _shown(value: Any) -> str:
-    """A short, storable rendering of an untrusted value for an error message."""
-    text = repr(value)
-    return storable_text(text if len(text) <= 60 else f"{text[:57]}...") or ""
+    """A short, storable rendering of an untrusted value for an error message (never raises)."""
+    return storable_text(safe_repr(value, 60)) or ""
 
 
 def _text(value: Any, name: str, limit: int) -> str | None:

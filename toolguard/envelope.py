@@ -111,10 +111,17 @@ def envelope_problem(intent: Intent) -> str | None:
     return _text_problem(intent.agent, "agent", presence="non_empty")
 
 
+#: The longest integer thread or run id taken as its digits (one too long is refused, unread).
+_MAX_ID_BITS = 1_000
+
+
 def _host_id(value: Any) -> Any:
     """Integer thread ids and ``UUID`` run ids as the text LangGraph itself uses for them."""
-    if (isinstance(value, int) and not isinstance(value, bool)) or isinstance(value, uuid.UUID):
-        return str(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        # past Python's digit limit str() raises; such an id is refused as "not a string"
+        return int.__repr__(value) if int.bit_length(value) <= _MAX_ID_BITS else value
+    if isinstance(value, uuid.UUID):
+        return uuid.UUID.__str__(value)
     return value
 
 

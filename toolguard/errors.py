@@ -7,8 +7,11 @@ scripts and people can match on it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from toolguard.safe_text import EXCEPTION_LIMIT, safe_str
 
 __all__ = [
     "ApprovalDenied",
@@ -63,7 +66,11 @@ class ToolGuardError(Exception):
 
     @property
     def message(self) -> str:
-        return str(self.args[0]) if self.args else self.reason
+        """The operator's text (audit row, log, CLI); never raises, whatever ``args[0]`` holds."""
+        if not self.args:
+            return self.reason
+        first = self.args[0]
+        return first if type(first) is str else safe_str(first, EXCEPTION_LIMIT)
 
 
 class ConfigurationError(ToolGuardError):
@@ -353,20 +360,25 @@ class UnknownApproval(ToolGuardError):
 # --- control flow ------------------------------------------------------------------------
 
 
+def _langgraph_errors() -> Any:
+    """``langgraph.errors`` if something imported it already, else None (never imports it).
+
+    A LangGraph control-flow exception can only exist once LangGraph is loaded:
+    a plain-Python process never pays for importing it (most of a second).
+    """
+    return sys.modules.get("langgraph.errors")
+
+
 def _control_flow_types() -> tuple[type[BaseException], ...]:
-    try:
-        from langgraph.errors import GraphBubbleUp
-    except ImportError:  # langgraph is optional for plain-Python users
-        return ()
-    return (GraphBubbleUp,)
+    errors = _langgraph_errors()
+    bubble = getattr(errors, "GraphBubbleUp", None) if errors is not None else None
+    return (bubble,) if isinstance(bubble, type) else ()
 
 
 def _is_invalid_resume(error: BaseException) -> bool:
-    try:
-        from langgraph.errors import is_invalid_resume
-    except ImportError:  # langgraph before 1.2 never marks resume errors
-        return False
-    return is_invalid_resume(error)
+    errors = _langgraph_errors()
+    check = getattr(errors, "is_invalid_resume", None) if errors is not None else None
+    return bool(check(error)) if callable(check) else False  # before 1.2: never marked
 
 
 def is_control_flow(error: BaseException) -> bool:

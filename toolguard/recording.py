@@ -17,26 +17,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from toolguard.decision import Decision
+from toolguard.safe_text import STORED_LIMIT, safe_str, storable_text
 from toolguard.store.base import AuditEntry, IntentRecord
 
 __all__ = ["audit_entry", "shape", "storable", "storable_text"]
 
-#: Characters kept of a name or an id in the audit log (at most 800 bytes: fits any index).
-TEXT_LIMIT = 200
+#: Characters kept of a name or an id in the audit log (``storable_text``'s default).
+TEXT_LIMIT = STORED_LIMIT
 #: Characters kept of a decision's message (not indexed).
 DETAIL_LIMIT = 2_000
-
-
-def storable_text(value: str | None, limit: int = TEXT_LIMIT) -> str | None:
-    """Untrusted text as every store can keep it: bounded, NUL and lone surrogates escaped."""
-    if value is None:
-        return None
-    text = value[:limit]
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
-    if not text.isascii():
-        text = "".join(f"\\u{ord(ch):04x}" if "\ud800" <= ch <= "\udfff" else ch for ch in text)
-    return text
 
 
 def storable(value: Any) -> Any:
@@ -55,7 +44,7 @@ def shape(value: Any, depth: int = 0) -> Any:
     if depth > 2:
         return "..."
     if isinstance(value, Mapping):
-        return {storable_text(str(k)[:40]): shape(v, depth + 1)
+        return {storable_text(safe_str(k, 40)): shape(v, depth + 1)
                 for k, v in list(value.items())[:20]}
     if isinstance(value, list | tuple):
         return f"list[{len(value)}]"

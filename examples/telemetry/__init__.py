@@ -14,6 +14,11 @@ prints a few calls as a tracing backend would show them (the stalled write the
 fence refused, a call an ``after:`` rule held back, a replay...) and the
 metrics next to the audit log they must agree with.
 
+Each run uses a fresh folder of its own for the SQLite files (printed with the
+report), never the demo's ``./.toolguard``: there, after ``toolguard demo``,
+every call would be a replay of the demo's and the scenario would not show.
+``--dir DIR`` picks the folder; a folder used before shows replays.
+
 An application sets its providers once, globally (``trace.set_tracer_provider``,
 ``metrics.set_meter_provider``), and toolguard reports to them; this example
 hands its providers to toolguard alone (``toolguard.telemetry.use_providers``)
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +65,8 @@ class Observed:
     points: list[tuple[str, dict[str, Any], Any]]
     report: Any = None
     console: list[str] = field(default_factory=list)
+    #: The folder of the run's SQLite files (``toolguard audit --url sqlite:///HOME/store.db``).
+    home: Path | None = None
 
     def calls(self) -> list[ReadableSpan]:
         """One ``execute_tool`` span per guarded call, in the order the calls ended."""
@@ -102,8 +110,16 @@ def _points(reader: MetricReader | InMemoryMetricReader) -> list[tuple[str, dict
     return out
 
 
+def fresh_home() -> Path:
+    """A new folder for one run's SQLite files (the demo's own ``./.toolguard`` would replay)."""
+    return Path(tempfile.mkdtemp(prefix="toolguard-telemetry-"))
+
+
 def run(*, home: Path | None = None, console: bool = False) -> Observed:
-    """One guarded run of the demo with in-memory exporters (and console ones with ``console``)."""
+    """One guarded run of the demo with in-memory exporters (and console ones with ``console``).
+
+    ``home``: where the SQLite files go; by default a fresh folder (``fresh_home``).
+    """
     from toolguard.config import Settings
     from toolguard.demo import run_pipeline
 
@@ -122,13 +138,14 @@ def run(*, home: Path | None = None, console: bool = False) -> Observed:
     # An application would call trace.set_tracer_provider / metrics.set_meter_provider instead.
     telemetry.use_providers(tracer_provider=tracer_provider, meter_provider=meter_provider)
     try:
-        settings = Settings(home=home) if home is not None else Settings()
+        settings = Settings(home=home if home is not None else fresh_home())
         settings.home.mkdir(parents=True, exist_ok=True)
         # The demo runs each lead's graph on a thread pool of its own (no context copied), so
         # every guarded call starts a trace; under a caller's span they would share its trace.
         report = run_pipeline(guarded=True, lock_url=settings.resolved_lock_url(),
                               store_url=settings.resolved_store_url())
-        observed = Observed(list(exporter.get_finished_spans()), _points(reader), report, written)
+        observed = Observed(list(exporter.get_finished_spans()), _points(reader), report, written,
+                            settings.home)
         meter_provider.shutdown()  # flushes the console metric exporter
         tracer_provider.shutdown()
         return observed
@@ -201,6 +218,8 @@ def print_report(observed: Observed, out: TextIO = sys.stdout) -> None:
                       for s in observed.spans)
     out.write(f"One guarded run of the lead qualifier: {len(calls)} execute_tool spans, "
               f"{len(observed.report.audit)} audit rows.\n")
+    if observed.home is not None:
+        out.write(f"Its SQLite files: {observed.home}\n")
     out.write("Spans by name: " + ", ".join(f"{n} {c}" for n, c in by_name.most_common()) + "\n\n")
     out.write("A few calls, as a tracing backend shows them:\n")
     for call in shown_calls(observed):
@@ -232,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.telemetry",
                                      description="The demo's spans and metrics.")
     parser.add_argument("--dir", type=Path, default=None,
-                        help="where the SQLite files go (default ./.toolguard)")
+                        help="where the SQLite files go (default: a fresh folder per run; "
+                             "a folder used before shows replays)")
     parser.add_argument("--console", action="store_true",
                         help="also print every span and the metrics as the SDK's console "
                              "exporters write them (JSON)")

@@ -52,3 +52,22 @@ def test_console_mode_writes_the_sdk_json(tmp_path: Path, capsys) -> None:
     spans = [json.loads(line) for line in printed.splitlines() if line.startswith('{"name"')]
     assert any(s["name"] == "execute_tool set_tier" for s in spans)
     assert '"toolguard.decisions"' in printed  # the console metric exporter's dump
+
+
+def test_a_run_after_the_demo_shows_the_scenario_not_only_replays(
+        tmp_path: Path, monkeypatch) -> None:
+    """Issue 23.8: with the demo's folder (``./.toolguard``) reused, every call was a replay."""
+    from toolguard.demo import run_pipeline
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TOOLGUARD_HOME", raising=False)
+    demo_home = tmp_path / ".toolguard"
+    demo_home.mkdir()
+    run_pipeline(guarded=True, lock_url=f"sqlite:///{demo_home / 'locks.db'}",
+                 store_url=f"sqlite:///{demo_home / 'store.db'}")  # what `toolguard demo` ran
+
+    observed = run()
+    assert observed.home is not None and observed.home != demo_home
+    decisions = {e.decision for e in observed.report.audit}
+    assert "accepted" in decisions
+    assert any(e.reason == "stale_fencing_token" for e in observed.report.audit)

@@ -23,6 +23,7 @@ from langgraph.types import Command
 
 from toolguard.adapters._replay import record_of, replayed_answer
 from toolguard.guard import Decision, ToolFailed
+from toolguard.safe_text import safe_str, text_of
 
 __all__ = [
     "METADATA_KEY",
@@ -36,6 +37,8 @@ __all__ = [
     "unknown_tool_message",
 ]
 
+#: Characters kept of a tool's answer that JSON cannot hold (recorded as its text).
+_CONTENT_LIMIT = 10_000_000
 #: The key under ``ToolMessage.response_metadata`` that holds toolguard's decision.
 METADATA_KEY = "toolguard"
 
@@ -90,13 +93,18 @@ def recordable(output: Any, call_id: str | None) -> Any:
         return {"command": True}
     try:
         json.dumps(output)
-    except (TypeError, ValueError):
-        return {"content": str(output)}
+    except (TypeError, ValueError, RecursionError):
+        return {"content": text_of(output, _CONTENT_LIMIT)}
     return {"content": output}
 
 
 def _content_text(content: Any) -> str:
-    return content if isinstance(content, str) else json.dumps(content, default=str)
+    if isinstance(content, str):
+        return content
+    try:
+        return json.dumps(content, default=text_of)
+    except (TypeError, ValueError, RecursionError) as error:
+        return f"<content JSON cannot hold: {text_of(error, 200)}>"
 
 
 def annotate(output: Any, call_id: str | None, decision: Decision) -> Any:
@@ -168,11 +176,13 @@ def refusal_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage:
 
 def unknown_tool_message(call: Mapping[str, Any], tool_names: Iterable[str]) -> ToolMessage:
     """ToolNode's own answer to a tool it does not have (it names the valid ones)."""
-    content = INVALID_TOOL_NAME_ERROR_TEMPLATE.format(requested_tool=call.get("name"),
-                                                      available_tools=", ".join(tool_names))
+    content = INVALID_TOOL_NAME_ERROR_TEMPLATE.format(
+        requested_tool=_text(call.get("name")),
+        available_tools=", ".join(safe_str(name) for name in tool_names))
     return ToolMessage(content, name=_text(call.get("name")), tool_call_id=_text(call.get("id")),
                        status="error")
 
 
 def _text(value: Any) -> str:
-    return "" if value is None else str(value)
+    """A call's id or name as a ToolMessage holds it: bounded text, whatever the model sent."""
+    return safe_str(value)

@@ -42,6 +42,7 @@ from toolguard.errors import (
     ToolGuardError,
 )
 from toolguard.fences.wire import WireError
+from toolguard.safe_text import safe_str, text_of
 
 __all__ = [
     "MCP_CODES",
@@ -176,10 +177,10 @@ def error_from_problem(body: Mapping[str, Any]) -> ToolGuardError | None:
     reason = body.get("reason")
     if not isinstance(reason, str) or reason not in _STATUS:
         return None
-    detail = str(body.get("detail") or reason)
+    detail = text_of(body.get("detail") or reason, 2_000)  # a service's JSON: bounded, never raises
     text = f"the service refused: {detail}"
     if reason == "stale_fencing_token":
-        return StaleFencingToken(text, key=str(body.get("key") or ""), token=_int(body.get("token")),
+        return StaleFencingToken(text, key=safe_str(body.get("key") or ""), token=_int(body.get("token")),
                                  current=_int(body.get("current")))
     if reason == "idempotency_conflict":
         return IdempotencyConflict(text)
@@ -187,11 +188,11 @@ def error_from_problem(body: Mapping[str, Any]) -> ToolGuardError | None:
         return InFlight(text, idempotency_key=_str(body.get("idempotency_key")))
     if reason == "fences_required":
         missing = body.get("missing")
-        return FencesRequired(text, missing=tuple(str(m) for m in missing)
+        return FencesRequired(text, missing=tuple(safe_str(m) for m in missing)
                               if isinstance(missing, list) else ())
     if reason == "key_not_fenced":
         keys = body.get("keys")
-        return KeyNotFenced(text, keys=tuple(str(k) for k in keys)
+        return KeyNotFenced(text, keys=tuple(safe_str(k) for k in keys)
                             if isinstance(keys, list) else ())
     if reason == "backend_unavailable":
         return BackendUnavailable(text)

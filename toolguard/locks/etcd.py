@@ -89,6 +89,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 from requests.adapters import HTTPAdapter
 
+from toolguard.connection_errors import refuse_misconfigured
 from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms, check_seconds
 
@@ -505,6 +506,8 @@ class EtcdBackend:
             self._api_path = client.api_path
             return result
         except _TRANSPORT as error:
+            if len(self.endpoints) == 1:  # with several, one bad name is one member away
+                refuse_misconfigured("etcd", error, self._endpoint())
             msg = f"etcd {self._endpoint()}: {what}: {error}"
             self._failover(client)
             raise BackendUnavailable(msg) from error

@@ -70,6 +70,12 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
+from toolguard.connection_errors import (
+    definitive,
+    misconfigured,
+    postgres_probe_options,
+    redacted_url,
+)
 from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks.base import (
     MIN_TTL_MS,
@@ -656,6 +662,7 @@ class PostgresBackend:
         self._lock = threading.Lock()
         self._pool: ConnectionPool | None = None
         self._listener: _Listener | None = None
+        self._contacted = False  # the first contact's answer was no typo (see _check_first_contact)
         self._schema_ready = False
         #: Why the last call failed to reach the server (``_DOWN``/``_STALLED``); cleared
         #: by the next call through the pool.
@@ -679,6 +686,7 @@ class PostgresBackend:
         self._fork_check()
         pool = self._pool
         if pool is None:
+            self._check_first_contact()
             with self._lock:
                 if self._pool is None:
                     self._pool = ConnectionPool(
@@ -687,6 +695,23 @@ class PostgresBackend:
                         timeout=self.timeout_s, open=True, name="toolguard-locks")
                 pool = self._pool
         return pool
+
+    def _check_first_contact(self) -> None:
+        """One direct connection before the pool opens: a typo in the URL (unknown database,
+        bad credentials, a host name that does not resolve) raises ``ConfigurationError``
+        now, instead of the pool retrying it until every call times out. A server that is
+        down or slow is not a verdict: the pool waits for it as for any outage. Once per
+        backend (again after a typo, so a fixed server is found)."""
+        if self._contacted:
+            return
+        try:
+            psycopg.connect(self.url, **postgres_probe_options(self._direct_options)).close()
+        except psycopg.Error as error:
+            why = definitive(error)
+            if why is not None:
+                raise misconfigured("postgresql locks", redacted_url(self.url), error, why) \
+                    from error
+        self._contacted = True
 
     def _get_pool(self) -> ConnectionPool:
         """The pool, with the schema checked (installed or upgraded if needed) once."""
@@ -776,6 +801,7 @@ class PostgresBackend:
         self._fork_check()
         listener = self._listener
         if listener is None:
+            self._check_first_contact()
             with self._lock:
                 if self._listener is None:
                     channel = f"toolguard_lock_{uuid.uuid4().hex}"

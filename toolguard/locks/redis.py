@@ -44,7 +44,8 @@ try:
 except ImportError:  # an older redis-py: the version goes in lib_version=
     DriverInfo = None  # type: ignore[assignment,misc]
 
-from toolguard.errors import BackendUnavailable, ConfigurationError
+from toolguard.connection_errors import failure, refuse_misconfigured
+from toolguard.errors import ConfigurationError, ToolGuardError
 from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms
 
 __all__ = ["AsyncRedisBackend", "RedisBackend", "redis_keys"]
@@ -243,8 +244,9 @@ class _RedisShared:
         return Attempt(token=token) if token > 0 else Attempt(token=None, retry_ms=-token)
 
     @staticmethod
-    def _unavailable(error: RedisError | OSError) -> BackendUnavailable:
-        return BackendUnavailable(f"redis: {error}")
+    def _unavailable(error: RedisError | OSError) -> ToolGuardError:
+        """``BackendUnavailable``; ``ConfigurationError`` for a bad host name or credentials."""
+        return failure("redis", error)
 
 
 _TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -365,6 +367,9 @@ class RedisBackend(_RedisShared):
             return self._attempt(self._evalsha(self._acquire, command))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis", error)
+            raise
 
     def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
         try:
@@ -372,6 +377,9 @@ class RedisBackend(_RedisShared):
                                    self._block_s(timeout_s)))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis", error)
+            raise
         return int(reply[1]) if reply else None
 
     def release(self, key: str, owner: str) -> bool:
@@ -380,6 +388,9 @@ class RedisBackend(_RedisShared):
             return bool(self._evalsha(self._release, command))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis", error)
+            raise
 
     def renew(self, held: Sequence[tuple[str, str, int]]) -> list[bool]:
         """One pipelined round trip of single-key scripts (Cluster safe).
@@ -394,6 +405,9 @@ class RedisBackend(_RedisShared):
                 results = self._renew_once(held)
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis", error)
+            raise
         for result in results:
             if isinstance(result, Exception):
                 raise result
@@ -448,6 +462,9 @@ class AsyncRedisBackend(_RedisShared):
             return self._attempt(await self._evalsha(self._acquire, command))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis", error)
+            raise
 
     async def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
         try:
@@ -455,6 +472,9 @@ class AsyncRedisBackend(_RedisShared):
                                                       self._block_s(timeout_s))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis", error)
+            raise
         return int(reply[1]) if reply else None
 
     async def release(self, key: str, owner: str) -> bool:
@@ -463,6 +483,9 @@ class AsyncRedisBackend(_RedisShared):
             return bool(await self._evalsha(self._release, command))
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis", error)
+            raise
 
     async def raise_floor(self, key: str, token: int) -> None:
         await self._raise_floor(keys=[self._fence_key(key)], args=[token, self.counter_ttl_ms])

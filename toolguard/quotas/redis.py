@@ -31,10 +31,11 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from toolguard.errors import BackendUnavailable, ConfigurationError
+from toolguard.connection_errors import failure, refuse_misconfigured
+from toolguard.errors import BackendUnavailable, ConfigurationError, ToolGuardError
 from toolguard.locks.redis import client_options
 from toolguard.quotas.base import Admitted, Entry, Refused, Verdict, check_charges
 from toolguard.quotas.charges import Charge
@@ -237,8 +238,9 @@ class _Shared:
         return Refused(head - 1, None if retry < 0 else retry / 1000)
 
     @staticmethod
-    def _unavailable(error: RedisError | OSError) -> BackendUnavailable:
-        return BackendUnavailable(f"redis (quotas): {error}")
+    def _unavailable(error: RedisError | OSError) -> ToolGuardError:
+        """``BackendUnavailable``; ``ConfigurationError`` for a bad host name or credentials."""
+        return failure("redis (quotas)", error)
 
 
 class RedisQuotas(_Shared):
@@ -265,6 +267,9 @@ class RedisQuotas(_Shared):
                 return self.client.execute_command(*command)  # type: ignore[no-untyped-call]
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis (quotas)", error)
+            raise
 
     def admit(self, charges: Sequence[Charge]) -> Verdict:
         """Count every charge or none (one script)."""
@@ -316,6 +321,9 @@ class AsyncRedisQuotas(_Shared):
                 return await self.client.execute_command(*command)  # type: ignore[no-untyped-call]
         except _TRANSIENT as error:
             raise self._unavailable(error) from error
+        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
+            refuse_misconfigured("redis (quotas)", error)
+            raise
 
     async def admit(self, charges: Sequence[Charge]) -> Verdict:
         keys, args = self._admit_args(charges)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from toolguard.errors import BackendUnavailable, ToolGuardError
 from toolguard.intent import Intent
 from toolguard.pause import AsyncPauseBoard, PauseBoard, PauseSet
+from toolguard.safe_text import text_of
 
 __all__ = ["acheck_pause", "check_pause"]
 
@@ -24,8 +25,8 @@ def _names(intent: Intent) -> tuple[str, str | None]:
 
 
 def _unreadable(error: Exception) -> BackendUnavailable:
-    msg = (f"the pause set cannot be read ({type(error).__name__}: {error}); calls are refused "
-           f"until it can (a kill switch fails closed)")
+    msg = (f"the pause set cannot be read ({type(error).__name__}: {text_of(error)}); calls are "
+           f"refused until it can (a kill switch fails closed)")
     failure = BackendUnavailable(msg)
     failure.__cause__ = error
     return failure

@@ -55,6 +55,7 @@ from toolguard.errors import (
     TooManyRows,
     is_control_flow,
 )
+from toolguard.store.placeholders import check_placeholders
 
 if TYPE_CHECKING:
     import os
@@ -734,7 +735,8 @@ class FencedTransaction(_TxBase):
 
     Run the tool's reads and writes with ``execute`` (or on ``connection``,
     never committing it), then ``record()`` the result. ``execute`` takes
-    psycopg-style ``%s`` placeholders on both stores.
+    psycopg-style ``%s`` placeholders on both stores, and refuses on both what
+    one of them would refuse or misread (``toolguard.store.placeholders``).
     """
 
     def __init__(self, connection: Any, plan: FencePlan, dialect: str, execute: Execute) -> None:
@@ -750,6 +752,8 @@ class FencedTransaction(_TxBase):
         ``RecordNotFound``, more ``TooManyRows``, and the transaction cannot commit.
         """
         expected = expected_rows(expect_rows)
+        if params is not None:
+            check_placeholders(sql)  # the same SQL on every store
         cursor = self._execute(sql, params, expected is not None)
         if expected is not None:
             self._require_rows(expected, cursor, sql)
@@ -770,6 +774,8 @@ class AsyncFencedTransaction(_TxBase):
         """Run one statement in the transaction; returns an async cursor (``expect_rows``: as
         ``FencedTransaction.execute``)."""
         expected = expected_rows(expect_rows)
+        if params is not None:
+            check_placeholders(sql)
         cursor = await self._execute(sql, params, expected is not None)
         if expected is not None:
             self._require_rows(expected, cursor, sql)

@@ -61,6 +61,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
+from toolguard.connection_errors import definitive, misconfigured, postgres_probe_options
 from toolguard.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -535,12 +536,33 @@ class _PgBase:
         return sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema))
 
     def _probe(self) -> str:
-        """Why the server cannot be reached, from one direct connection attempt."""
+        """Why the server cannot be reached, from one direct connection attempt.
+
+        ``ConfigurationError`` when the answer is final (unknown database, bad
+        credentials, a host name that does not resolve): no wait fixes a typo.
+        """
         try:
-            psycopg.connect(self.url, connect_timeout=2, autocommit=True).close()
+            psycopg.connect(self.url, **postgres_probe_options()).close()
         except psycopg.Error as error:
+            self._refuse_definitive(error)
             return str(error).strip()
         return POOL_EXHAUSTED
+
+    def _refuse_definitive(self, error: BaseException) -> None:
+        why = definitive(error)
+        if why is not None:
+            raise misconfigured("postgresql", redact(self.url), error, why) from error
+
+    def _check_first_contact(self) -> None:
+        """One direct connection before the pool opens: a typo raises now, in one line.
+
+        A server that is down or slow is not a verdict: the pool waits for it, as
+        for any outage, and the calls report ``BackendUnavailable``.
+        """
+        try:
+            psycopg.connect(self.url, **postgres_probe_options()).close()
+        except psycopg.Error as error:
+            self._refuse_definitive(error)
 
     def __repr__(self) -> str:
         where = f", schema={self.schema!r}" if self.schema else ""
@@ -648,6 +670,7 @@ class PostgresStore(_PgBase):
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
             kwargs={"autocommit": True}, configure=self._configure,
             name=f"toolguard-store{'-' + schema if schema else ''}")
+        self._check_first_contact()
         self._pool.open(wait=False)
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
@@ -929,10 +952,11 @@ class AsyncPostgresStore(_PgBase):
             await conn.execute(statement)
 
     async def _aprobe(self) -> str:
+        """The asyncio twin of ``_probe`` (``ConfigurationError`` for a final answer)."""
         try:
-            conn = await psycopg.AsyncConnection.connect(self.url, connect_timeout=2,
-                                                         autocommit=True)
+            conn = await psycopg.AsyncConnection.connect(self.url, **postgres_probe_options())
         except psycopg.Error as error:
+            self._refuse_definitive(error)
             return str(error).strip()
         await conn.close()
         return POOL_EXHAUSTED
@@ -961,6 +985,7 @@ class AsyncPostgresStore(_PgBase):
     async def _pooled(self, timeout: float | None = None
                       ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         if not self._opened:
+            await self._aprobe()  # a typo raises ConfigurationError now, before the pool waits
             await self._pool.open(wait=False)
             self._opened = True
         try:
