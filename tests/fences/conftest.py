@@ -46,7 +46,7 @@ class ServiceProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> ServiceProcess:
+    def start(self, timeout_s: float = 90.0) -> ServiceProcess:
         env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "FENCES_STORE_URL": self.store_url, "FENCES_SCHEMA": self.schema or "", **self.env}
         stderr = self.log.open("ab") if self.log is not None else subprocess.PIPE

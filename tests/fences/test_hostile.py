@@ -490,3 +490,52 @@ def test_a_request_cancelled_mid_handler_is_recorded_unknown_and_applies_once_on
         assert [(r.decision, r.reason) for r in audit(check)] == [("unknown", "cancelled"),
                                                                    ("accepted", "applied")]
         assert check.high_water("note:n") == 5
+
+
+@pytest.mark.parametrize("raw_meta", ['"a=1"', "[1, 2]", "5", "true", '"toolguard/fencing-token"'])
+def test_mcp_meta_that_is_not_an_object_is_refused_and_audited(mcp_service, mcp_store, raw_meta):
+    """Issue 21 point 4: the SDK's generic -32602 had no audit row; the docs promise one."""
+    from .mcp_raw import RawMcp
+
+    raw = RawMcp(mcp_service.url)
+    try:
+        answer = raw.call('{"name":"set_score","arguments":{"lead_id":"nm","score":1},'
+                          f'"_meta":{raw_meta}}}')
+    finally:
+        raw.close()
+    error = answer["error"]
+    assert (error["code"], error["data"]["reason"], error["data"]["field"]) == (
+        -32602, "invalid_fence_header", "_meta"), answer
+    assert leads(mcp_store) == {}
+    (row,) = audit(mcp_store)
+    assert (row.decision, row.reason, row.tool) == ("rejected", "invalid_fence_header",
+                                                    "set_score")
+
+
+@pytest.mark.parametrize("first, second", [("lead%3Adk=5", "lead%3Adk=1"),
+                                           ("lead%3Adk=5", "lead%3Adk=5")])
+def test_a_repeated_mcp_meta_key_is_refused_as_a_repeated_header_is(mcp_service, mcp_store,
+                                                                     first, second):
+    """Issue 21 point 3: JSON objects keep the last of two equal keys; the first one may be the
+    one the sender meant. Refused, even when both say the same, as REST refuses a repeat."""
+    from .mcp_raw import RawMcp
+
+    raw = RawMcp(mcp_service.url)
+    try:
+        answer = raw.call('{"name":"set_score","arguments":{"lead_id":"dk","score":1},'
+                          f'"_meta":{{"toolguard/fencing-token":"{first}",'
+                          '"toolguard/idempotency-key":"dk#1",'
+                          f'"toolguard/fencing-token":"{second}"}}}}')
+        # the same call with each key once is applied: the refusal is the repeat's alone
+        applied = raw.call('{"name":"set_score","arguments":{"lead_id":"dk","score":1},'
+                           f'"_meta":{{"toolguard/fencing-token":"{first}",'
+                           '"toolguard/idempotency-key":"dk#2"}}')
+    finally:
+        raw.close()
+    error = answer["error"]
+    assert (error["code"], error["data"]["reason"], error["data"]["field"]) == (
+        -32602, "invalid_fence_header", "toolguard/fencing-token"), answer
+    assert "result" in applied, applied
+    assert [(r.decision, r.reason) for r in audit(mcp_store)] == [
+        ("rejected", "invalid_fence_header"), ("accepted", "applied")]
+    assert leads(mcp_store) == {"dk": (1, 1)}
