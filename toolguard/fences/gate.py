@@ -24,7 +24,9 @@ Cancellation: ``run`` serves the request in a task of its own
 (``toolguard.fences.shield``), so however the server cancels (asyncio once, anyio
 at every await), the marker, the transaction and the handler see one
 cancellation, and the request's cleanup (rollback, audit row, connections back
-to their pool idle) has ended before the cancellation reaches the server.
+to their pool idle) has ended before the cancellation reaches the server. Once the
+handler has answered, the request is no longer stopped: its answer is recorded and
+committed (a retry replays it), then the cancellation goes on.
 """
 
 from __future__ import annotations
@@ -234,18 +236,26 @@ class FenceGate:
     async def run(self, fences: Fences, *, tool: str, digest: str, handler: Handler) -> Outcome:
         """Fence, dedupe and run ``handler`` in one transaction (see the module docstring)."""
         audited: list[bool] = []
+        answered: list[bool] = []  # the handler has answered: its answer is committed now
         try:
-            return await isolated(self._run(fences, tool, digest, handler, audited))
+            return await isolated(self._run(fences, tool, digest, handler, audited, answered),
+                                  stoppable=lambda: not answered)
         except asyncio.CancelledError as cancelled:
             if not audited:  # cancelled before the request's own task ever ran
                 await self.cancelled(cancelled, tool=tool, fences=fences)
             raise
 
     async def _run(self, fences: Fences, tool: str, digest: str, handler: Handler,
-                   audited: list[bool]) -> Outcome:
-        """The request's own task; ``audited`` says its row is written (by the store or here)."""
+                   audited: list[bool], answered: list[bool]) -> Outcome:
+        """The request's own task; ``audited`` says its row is written (by the store or here),
+        ``answered`` that the handler has answered (from then on it is not cancelled)."""
+        async def serve(fence: ServiceFence) -> Answer:
+            answer = await handler(fence)
+            answered.append(True)
+            return answer
+
         try:
-            outcome = await self._marked(fences, tool, digest, handler)
+            outcome = await self._marked(fences, tool, digest, serve)
         except asyncio.CancelledError as cancelled:
             await self.cancelled(cancelled, tool=tool, fences=fences)
             audited.append(True)

@@ -11,9 +11,10 @@ the leftover statement touches a file descriptor another socket uses by then.
 
 Here, work that must end before its caller goes on runs in a task of its own:
 
-* ``isolated(work)`` delivers the caller's cancellation to ``work`` once, the
-  asyncio way, and waits for ``work`` to finish its own cleanup before the
-  caller's cancellation goes on. The fenced transaction, the in-flight marker
+* ``isolated(work, stoppable)`` delivers the caller's cancellation to ``work``
+  once, the asyncio way (unless ``stoppable()`` says ``work`` is past the point
+  where it may be stopped), and waits for ``work`` to finish its own cleanup
+  before the caller's cancellation goes on. The fenced transaction, the in-flight marker
   and the handler run inside one, so the store's cleanup (rollback, the audit
   row, the connection back to the pool idle) sees a single cancellation.
 * ``finish(work)`` does not cancel ``work`` at all (an audit row, a ROLLBACK):
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 __all__ = ["finish", "isolated"]
@@ -47,23 +48,25 @@ def _shielded() -> contextlib.AbstractContextManager[Any]:
     return anyio.CancelScope(shield=True)
 
 
-async def isolated(work: Coroutine[Any, Any, T]) -> T:
-    """Run ``work`` in its own task; a cancellation of the caller reaches it once, and the
-    caller waits for it to end before the cancellation propagates (see the module docstring)."""
-    return await _run(work, forward=True)
+async def isolated(work: Coroutine[Any, Any, T],
+                   stoppable: Callable[[], bool] = lambda: True) -> T:
+    """Run ``work`` in its own task; a cancellation of the caller reaches it once (if
+    ``stoppable()`` says it still may be stopped then), and the caller waits for it to end
+    before the cancellation propagates (see the module docstring)."""
+    return await _run(work, forward=stoppable)
 
 
 async def finish(work: Coroutine[Any, Any, T]) -> T:
     """Run ``work`` to its end even if the caller is cancelled meanwhile; then re-raise that."""
-    return await _run(work, forward=False)
+    return await _run(work, forward=lambda: False)
 
 
-async def _run(work: Coroutine[Any, Any, T], *, forward: bool) -> T:
+async def _run(work: Coroutine[Any, Any, T], *, forward: Callable[[], bool]) -> T:
     task = asyncio.ensure_future(work)  # a copy of this context: contextvars travel along
     try:
         await asyncio.wait({task})
     except asyncio.CancelledError:
-        if forward:
+        if forward():
             task.cancel()
         with _shielded():
             while not task.done():

@@ -38,7 +38,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -727,6 +727,12 @@ class _Worker:
         self.executor.shutdown(wait=False)
 
 
+def _give_taken(connections: _Connections, taking: Future[sqlite3.Connection]) -> None:
+    """Give back the connection ``taking`` took (run after it on the same worker thread)."""
+    if not taking.cancelled() and taking.exception() is None:
+        connections.give(taking.result())
+
+
 class _RowsBase:
     """A statement's rows, all fetched at once; ``matched`` counts them (or the rows changed)."""
 
@@ -864,7 +870,13 @@ class AsyncSqliteStore:
     async def _session(self) -> AsyncIterator[_AsyncSession]:
         await self._ready()
         worker = _Worker()
-        conn = await worker.run(self.sync._connections.take)
+        taking = worker.executor.submit(self.sync._connections.take)
+        try:
+            conn = await asyncio.wrap_future(taking)
+        except BaseException:  # cancelled while the worker takes it: given back once taken
+            worker.executor.submit(_give_taken, self.sync._connections, taking)
+            worker.close()
+            raise
         try:
             yield _AsyncSession(_Session(self.sync, conn), worker)
         finally:
