@@ -795,6 +795,7 @@ class _AsyncSession:
     def __init__(self, sync: _Session, worker: _Worker) -> None:
         self.sync = sync
         self.worker = worker
+        self.committed = False
 
     def _execute_rows(self, query: str, params: Any) -> _Rows:
         cursor = self.sync.execute(query, params)
@@ -812,13 +813,29 @@ class _AsyncSession:
         return tx
 
     async def finish(self, tx: AsyncFencedTransaction, entry: AuditEntry) -> None:
-        await self.worker.run(self.sync.commit, tx, entry)
+        # A commit the caller stops waiting for still lands: its end is awaited, so that
+        # a cancellation after it is not recorded as a failure next to its ``accepted`` row.
+        committing = asyncio.ensure_future(self.worker.run(self.sync.commit, tx, entry))
+        cancelled: asyncio.CancelledError | None = None
+        while not committing.done():
+            try:
+                await asyncio.wait({committing})
+            except asyncio.CancelledError as error:
+                cancelled = cancelled or error
+        committing.result()  # a failed commit is a failure, cancelled or not
+        self.committed = True
+        if cancelled is not None:
+            raise cancelled
 
     async def abort(self, error: BaseException) -> BaseException:
+        if self.committed:  # cancelled after the commit: nothing to end
+            return error
         return await asyncio.shield(self.worker.run(self.sync.abort, error))
 
     async def record_failure(self, plan: FencePlan, entry: AuditEntry,
                              status: IntentStatus | None) -> None:
+        if self.committed:  # applied and audited ``accepted`` already
+            return
         await asyncio.shield(self.worker.run(self.sync.record_failure, plan, entry, status))
 
 
