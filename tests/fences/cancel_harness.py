@@ -117,7 +117,7 @@ class Counted:
                     value = yield yielded
                 else:
                     value = yield yielded
-            except BaseException as raised:  # noqa: BLE001 - thrown into ``coro`` as asyncio does
+            except BaseException as raised:
                 if action == "pause" and isinstance(yielded, asyncio.Future) and not yielded.done():
                     yielded.cancel()
                 error = raised

@@ -173,8 +173,8 @@ def tool_call_params(draw: st.DrawFn) -> str:
                   else draw(any_json) if name == "any" else string_json(draw(nasty_text))))
     arguments = draw(st.sampled_from(["valid", "valid", "any", "absent"]))
     if arguments == "valid":
-        pairs.append(("arguments", '{"lead_id":"mp","score":%s}' % draw(
-            st.sampled_from(["1", "1.5", '"1"', "9" * 5000, "null", "[1]"]))))
+        score = draw(st.sampled_from(["1", "1.5", '"1"', "9" * 5000, "null", "[1]"]))
+        pairs.append(("arguments", '{"lead_id":"mp","score":' + score + "}"))
     elif arguments == "any":
         pairs.append(("arguments", draw(any_json)))
     if draw(st.integers(0, 5)) > 0:

@@ -193,7 +193,11 @@ def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
     found = _Pairs(pairs)
     if len(found) != len(pairs):
         seen: set[str] = set()
-        found.repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+        for key, _ in pairs:
+            if key in seen:
+                found.repeated = key
+                break
+            seen.add(key)
     return found
 
 
