@@ -85,3 +85,57 @@ def test_a_cancelled_mcp_call_loses_no_other_call_and_leaves_one_audit_row(logge
         assert len(applied) == 100
     log = service.log_text()
     assert not [w for w in POOL_WARNINGS if w in log], log[-4000:]
+
+
+def test_a_request_cancelled_while_its_body_arrives_has_one_audit_row(tmp_path):
+    """Cancelled before its body ended (an ASGI stack cancelling on disconnect): nothing ran,
+    and the request has its one ``unknown``/``cancelled`` row all the same."""
+    import anyio
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from toolguard.fences import FenceMiddleware
+    from toolguard.store import open_async_store
+
+    url = f"sqlite:///{tmp_path}/service.db"
+    open_store(url, install=True).close()
+
+    async def handler(request):
+        return PlainTextResponse("ran")
+
+    store = open_async_store(url)
+    app = FenceMiddleware(Starlette(routes=[Route("/n", handler, methods=["POST"])]),
+                          store=store)
+    headers = [(k.lower().encode(), v.encode())
+               for k, v in Fences(tokens={"note:n": 5}, idempotency_key="b#1").headers().items()]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "path": "/n", "raw_path": b"/n", "query_string": b"",
+             "headers": headers, "scheme": "http", "server": ("svc", 80), "client": None,
+             "root_path": ""}
+    sent: list = []
+
+    async def run() -> None:
+        reading = anyio.Event()
+
+        async def receive():
+            if not reading.is_set():
+                reading.set()
+                return {"type": "http.request", "body": b"{", "more_body": True}
+            await anyio.sleep_forever()
+
+        async def send(message):
+            sent.append(message)
+
+        async with anyio.create_task_group() as group:  # cancels at every await, as anyio does
+            group.start_soon(app, scope, receive, send)
+            await reading.wait()
+            await anyio.sleep(0.05)
+            group.cancel_scope.cancel()
+        await store.close()
+
+    asyncio.run(run())
+    assert sent == []
+    with open_store(url) as check:
+        assert [(r.decision, r.reason) for r in check.query_audit(limit=None)] == [
+            ("unknown", "cancelled")]
