@@ -17,6 +17,7 @@ Each test prints the number of await points it exercised (``-s`` shows them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -117,6 +118,7 @@ def status_of(http: httpx.Client, lead: str, key: str, score: int = 1) -> int:
                      headers={**headers, "content-type": "application/json"}).status_code
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("harness_service", ["create_app"], indirect=True)
 def test_fence_middleware_cancelled_at_every_await_point(harness_service):
     service = harness_service
@@ -167,6 +169,7 @@ def mcp_meta(lead: str, key: str) -> dict[str, str]:
                   intent_id=key).meta()
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("harness_service", ["create_mcp_app"], indirect=True)
 def test_fence_tool_middleware_cancelled_at_every_await_point(harness_service):
     service = harness_service
@@ -227,7 +230,8 @@ def test_fence_tool_middleware_cancelled_at_every_await_point(harness_service):
 
 def _client_path(kind: str, url: str) -> Any:
     """A guarded tool body that calls the service through ``AsyncFencedClient`` or
-    ``FencedSession`` (the FastMCP client), and what closes it."""
+    ``FencedSession`` (one FastMCP client session for the whole test), and what opens and
+    closes that connection."""
     if kind == "rest":
         from toolguard.fences import AsyncFencedClient
 
@@ -237,22 +241,24 @@ def _client_path(kind: str, url: str) -> Any:
             response = await http.post(f"/leads/{lead_id}/score", json={"score": score})
             return dict(response.json())
 
-        return rest_call, http.aclose
+        return rest_call, contextlib.AsyncExitStack(), http.aclose
 
     from toolguard.fences import FencedSession
 
+    client = Client(url + "/mcp")
+    session = FencedSession(client)
+
     async def mcp_call(lead_id: str, score: int) -> dict:
-        async with Client(url + "/mcp") as client:
-            result = await FencedSession(client).call_tool(
-                "set_score", {"lead_id": lead_id, "score": score})
+        result = await session.call_tool("set_score", {"lead_id": lead_id, "score": score})
         return dict(result.structured_content)
 
     async def nothing() -> None:
         return None
 
-    return mcp_call, nothing
+    return mcp_call, client, nothing
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("kind", ["rest", "mcp"])
 def test_a_guarded_call_through_the_fenced_clients_cancelled_at_every_await_point(
         kind, request, service_store_url, tmp_path):
@@ -264,7 +270,7 @@ def test_a_guarded_call_through_the_fenced_clients_cancelled_at_every_await_poin
     fixture = "service" if kind == "rest" else "mcp_service"
     service: ServiceProcess = request.getfixturevalue(fixture)
     guard = make_guard(tmp_path, "c", f"sqlite:///{tmp_path}/locks.db", asynchronous=True)
-    body, close = _client_path(kind, service.url)
+    body, connection, close = _client_path(kind, service.url)
     set_score = guarded(guard, name="set_score", agent="scorer")(body)
 
     async def attempt(harness: Harness | None, lead: str, call_id: str) -> Any:
@@ -276,6 +282,10 @@ def test_a_guarded_call_through_the_fenced_clients_cancelled_at_every_await_poin
     agent_extra: list[Any] = []
 
     async def run() -> tuple[int, int]:
+        async with connection:
+            return await points()
+
+    async def points() -> tuple[int, int]:
         harness = Harness()
         assert (await attempt(None, "warm", "warm")).result().ok
         harness.arm(None)

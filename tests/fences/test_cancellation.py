@@ -48,6 +48,7 @@ def service_store(service: ServiceProcess) -> GuardedStore:
     return open_store(service.store_url, **options)
 
 
+@pytest.mark.timeout(900)
 def test_a_cancelled_mcp_call_loses_no_other_call_and_leaves_one_audit_row(logged_mcp_service):
     """Issue 20, points 1 and 2: cancel a 1.5 s fenced tool at 0.4 s, then 5 ordinary calls on
     the same session, 20 rounds: every ordinary call answers and applies once."""

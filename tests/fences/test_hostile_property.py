@@ -147,12 +147,14 @@ def check_rest(examples: int, service: ServiceProcess) -> None:
     assert not [e for e in SERVER_ERRORS if e in log], log[-4000:]
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("logged", ["create_app"], indirect=True)
 def test_raw_hostile_requests_to_fence_middleware(logged):
     check_rest(DEFAULT_EXAMPLES, logged)
 
 
 @pytest.mark.nightly
+@pytest.mark.timeout(7200)
 @pytest.mark.parametrize("logged", ["create_app"], indirect=True)
 def test_raw_hostile_requests_to_fence_middleware_nightly(logged):
     check_rest(NIGHTLY_EXAMPLES, logged)
@@ -220,12 +222,14 @@ def check_mcp(examples: int, service: ServiceProcess) -> None:
     assert not [e for e in SERVER_ERRORS if e in log], log[-4000:]
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("logged", ["create_mcp_app"], indirect=True)
 def test_raw_hostile_tool_calls_to_fence_tool_middleware(logged):
     check_mcp(DEFAULT_EXAMPLES, logged)
 
 
 @pytest.mark.nightly
+@pytest.mark.timeout(7200)
 @pytest.mark.parametrize("logged", ["create_mcp_app"], indirect=True)
 def test_raw_hostile_tool_calls_to_fence_tool_middleware_nightly(logged):
     check_mcp(NIGHTLY_EXAMPLES, logged)
