@@ -31,8 +31,11 @@ class ServiceProcess:
     """One uvicorn process serving ``factory``; ``kill()`` and ``start()`` to restart it."""
 
     def __init__(self, factory: str, store_url: str, schema: str | None, port: int,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, log: Path | None = None,
+                 http: str | None = None) -> None:
         self.factory = factory
+        self.log = log  # the server's stderr goes there (else a pipe, read if it exits early)
+        self.http = http  # uvicorn's --http implementation (h11, httptools)
         self.env = env or {}
         self.store_url = store_url
         self.schema = schema
@@ -43,18 +46,23 @@ class ServiceProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> ServiceProcess:
+    def start(self, timeout_s: float = 90.0) -> ServiceProcess:
         env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "FENCES_STORE_URL": self.store_url, "FENCES_SCHEMA": self.schema or "", **self.env}
+        stderr = self.log.open("ab") if self.log is not None else subprocess.PIPE
+        http = ["--http", self.http] if self.http else []
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", self.factory, "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", "--no-access-log"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             "--port", str(self.port), "--log-level", "warning", "--no-access-log", *http],
+            env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        if self.log is not None:
+            stderr.close()  # the child has its own copy
         deadline = time.monotonic() + timeout_s
         probe = "/health" if self.factory.endswith("create_app") else "/mcp"
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                error = self.process.stderr.read().decode() if self.process.stderr else ""
+                error = (self.log.read_text(errors="replace") if self.log is not None
+                         else self.process.stderr.read().decode() if self.process.stderr else "")
                 pytest.fail(f"the service exited: {error[-2000:]}")
             try:
                 httpx.get(self.url + probe, timeout=1.0)
@@ -62,6 +70,10 @@ class ServiceProcess:
             except httpx.HTTPError:
                 time.sleep(0.1)
         pytest.fail(f"the service did not answer on {self.url} within {timeout_s}s")
+
+    def log_text(self) -> str:
+        """What the server wrote to stderr so far (its warnings and tracebacks)."""
+        return self.log.read_text(errors="replace") if self.log is not None else ""
 
     def kill(self) -> None:
         """SIGKILL: no shutdown, no rollback sent; the database ends its transactions."""
@@ -173,3 +185,13 @@ def make_guard(tmp_path: Path, name: str, lock_url: str, *, ttl_ms: int = 10_000
                          async_store=open_async_store(store_url))
     return ToolGuard(load_policy(policy_file), locks=connect(lock_url),
                      store=open_store(store_url))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``nightly`` runs only when asked for (``-m nightly``)."""
+    if "nightly" in (config.getoption("-m") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("nightly") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept

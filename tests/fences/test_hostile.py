@@ -490,3 +490,113 @@ def test_a_request_cancelled_mid_handler_is_recorded_unknown_and_applies_once_on
         assert [(r.decision, r.reason) for r in audit(check)] == [("unknown", "cancelled"),
                                                                    ("accepted", "applied")]
         assert check.high_water("note:n") == 5
+
+
+@pytest.mark.parametrize("raw_meta", ['"a=1"', "[1, 2]", "5", "true", '"toolguard/fencing-token"'])
+def test_mcp_meta_that_is_not_an_object_is_refused_and_audited(mcp_service, mcp_store, raw_meta):
+    """Issue 21 point 4: the SDK's generic -32602 had no audit row; the docs promise one."""
+    from .mcp_raw import RawMcp
+
+    raw = RawMcp(mcp_service.url)
+    try:
+        answer = raw.call('{"name":"set_score","arguments":{"lead_id":"nm","score":1},'
+                          f'"_meta":{raw_meta}}}')
+    finally:
+        raw.close()
+    error = answer["error"]
+    assert (error["code"], error["data"]["reason"], error["data"]["field"]) == (
+        -32602, "invalid_fence_header", "_meta"), answer
+    assert leads(mcp_store) == {}
+    (row,) = audit(mcp_store)
+    assert (row.decision, row.reason, row.tool) == ("rejected", "invalid_fence_header",
+                                                    "set_score")
+
+
+@pytest.mark.parametrize("first, second", [("lead%3Adk=5", "lead%3Adk=1"),
+                                           ("lead%3Adk=5", "lead%3Adk=5")])
+def test_a_repeated_mcp_meta_key_is_refused_as_a_repeated_header_is(mcp_service, mcp_store,
+                                                                     first, second):
+    """Issue 21 point 3: JSON objects keep the last of two equal keys; the first one may be the
+    one the sender meant. Refused, even when both say the same, as REST refuses a repeat."""
+    from .mcp_raw import RawMcp
+
+    raw = RawMcp(mcp_service.url)
+    try:
+        answer = raw.call('{"name":"set_score","arguments":{"lead_id":"dk","score":1},'
+                          f'"_meta":{{"toolguard/fencing-token":"{first}",'
+                          '"toolguard/idempotency-key":"dk#1",'
+                          f'"toolguard/fencing-token":"{second}"}}}}')
+        # the same call with each key once is applied: the refusal is the repeat's alone
+        applied = raw.call('{"name":"set_score","arguments":{"lead_id":"dk","score":1},'
+                           f'"_meta":{{"toolguard/fencing-token":"{first}",'
+                           '"toolguard/idempotency-key":"dk#2"}}')
+    finally:
+        raw.close()
+    error = answer["error"]
+    assert (error["code"], error["data"]["reason"], error["data"]["field"]) == (
+        -32602, "invalid_fence_header", "toolguard/fencing-token"), answer
+    assert "result" in applied, applied
+    assert [(r.decision, r.reason) for r in audit(mcp_store)] == [
+        ("rejected", "invalid_fence_header"), ("accepted", "applied")]
+    assert leads(mcp_store) == {"dk": (1, 1)}
+
+
+@pytest.fixture(params=["h11", "httptools"])
+def any_http_service(request, service_store_url) -> Iterator[ServiceProcess]:
+    """The REST service behind uvicorn with each of its HTTP/1.1 parsers."""
+    from servers import free_port
+
+    url, schema = service_store_url
+    process = ServiceProcess("fences.service_app:create_app", url, schema, free_port(),
+                             http=request.param)
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+def send_raw(service: ServiceProcess, data: bytes) -> int:
+    """Send ``data`` on a fresh connection; the answer's status code."""
+    host, port = service.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        answer = b""
+        while b"\r\n" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+def chunked(path: str, headers: str, body: bytes, trailer: str) -> bytes:
+    head = (f"POST {path} HTTP/1.1\r\nHost: svc\r\nContent-Type: application/json\r\n"
+            f"{headers}Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    return (head.encode() + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n"
+            + trailer.encode() + b"\r\n")
+
+
+def test_fence_fields_in_a_chunked_trailer_are_never_read_as_headers(any_http_service):
+    """Issue 21 point 5: with httptools, uvicorn appends trailers to the scope's headers; a
+    request fenced only by its trailer was applied, and a trailer's agent audited."""
+    service = any_http_service
+    only_trailer = send_raw(service, chunked(
+        "/leads/tr/score", "", b'{"score": 1}',
+        'Fencing-Token: lead%3Atr=5\r\nIdempotency-Key: "tr#1"\r\n'))
+    spoofed = send_raw(service, chunked(
+        "/leads/tr2/score", 'Fencing-Token: lead%3Atr2=5\r\nIdempotency-Key: "tr2#1"\r\n',
+        b'{"score": 2}', 'Toolguard-Agent: "spoofed"\r\n'))
+    options = {"schema": service.schema} if service.schema else {}
+    with open_store(service.store_url, **options) as store:
+        rows = wait_for_audit(store, 2)
+        assert only_trailer in (400, 428)  # h11 drops trailers: no fences; httptools: refused
+        assert "tr" not in leads(store)
+        assert store.high_water("lead:tr") == 0
+        assert all(r.agent != "spoofed" for r in rows), rows
+        assert len(rows) == 2
+        if service.http == "httptools":  # a fence field that may be a trailer is refused
+            assert (only_trailer, spoofed) == (400, 400)
+            assert {r.reason for r in rows} == {"invalid_fence_header"}
+        else:
+            assert (only_trailer, spoofed) == (428, 201)
+            assert [r.reason for r in rows] == ["fences_required", "applied"]

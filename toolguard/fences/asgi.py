@@ -33,6 +33,7 @@ Handlers that use the transaction must be ``async`` (it belongs to the event loo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -151,6 +152,9 @@ class FenceMiddleware:
             refused = await self.gate.refuse(error, tool=tool, fences=fences)
             await _send_problem(send, refused.problem)
             return
+        except asyncio.CancelledError as cancelled:  # nothing ran: one row all the same
+            await self.gate.cancelled(cancelled, tool=tool, fences=fences)
+            raise
         digest = request_digest(scope.get("method", ""), scope.get("raw_path") or scope["path"],
                                 scope.get("query_string", b""), _body_headers(scope), body)
         outcome = await self.gate.run(fences, tool=tool, digest=digest,

@@ -18,11 +18,20 @@ outcome into its protocol's response, and nothing here knows HTTP or MCP:
 
 Every outcome leaves exactly one audit row in the service's store: the store
 writes it for what happens inside ``fenced()``, ``refuse`` for what is decided
-before.
+before, ``cancelled`` for a request cancelled before the store could write one.
+
+Cancellation: ``run`` serves the request in a task of its own
+(``toolguard.fences.shield``), so however the server cancels (asyncio once, anyio
+at every await), the marker, the transaction and the handler see one
+cancellation, and the request's cleanup (rollback, audit row, connections back
+to their pool idle) has ended before the cancellation reaches the server. Once the
+handler has answered, the request is no longer stopped: its answer is recorded and
+committed (a retry replays it), then the cancellation goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -34,9 +43,10 @@ from typing import Any
 from toolguard.errors import DuplicateIntent, GuardMisconfigured, ToolGuardError
 from toolguard.fences.inflight import InFlightRegistry, default_registry
 from toolguard.fences.problems import InFlight, KeyNotFenced, Problem, problem_from_error
+from toolguard.fences.shield import finish, isolated
 from toolguard.fences.wire import Fences
 from toolguard.store import AsyncFencedTransaction, AsyncGuardedStore, AuditEntry, IntentRecord
-from toolguard.store.base import latest_version
+from toolguard.store.base import latest_version, mark_audited, was_audited
 
 __all__ = [
     "Answer",
@@ -225,6 +235,40 @@ class FenceGate:
 
     async def run(self, fences: Fences, *, tool: str, digest: str, handler: Handler) -> Outcome:
         """Fence, dedupe and run ``handler`` in one transaction (see the module docstring)."""
+        audited: list[bool] = []
+        answered: list[bool] = []  # the handler has answered: its answer is committed now
+        try:
+            return await isolated(self._run(fences, tool, digest, handler, audited, answered),
+                                  stoppable=lambda: not answered)
+        except asyncio.CancelledError as cancelled:
+            if not audited:  # cancelled before the request's own task ever ran
+                await self.cancelled(cancelled, tool=tool, fences=fences)
+            raise
+
+    async def _run(self, fences: Fences, tool: str, digest: str, handler: Handler,
+                   audited: list[bool], answered: list[bool]) -> Outcome:
+        """The request's own task; ``audited`` says its row is written (by the store or here),
+        ``answered`` that the handler has answered (from then on it is not cancelled)."""
+        async def serve(fence: ServiceFence) -> Answer:
+            answer = await handler(fence)
+            answered.append(True)
+            return answer
+
+        try:
+            outcome = await self._marked(fences, tool, digest, serve)
+        except asyncio.CancelledError as cancelled:
+            await self.cancelled(cancelled, tool=tool, fences=fences)
+            audited.append(True)
+            raise
+        except BaseException as error:
+            if was_audited(error):
+                audited.append(True)
+            raise
+        audited.append(True)
+        return outcome
+
+    async def _marked(self, fences: Fences, tool: str, digest: str,
+                      handler: Handler) -> Outcome:
         await self.check_store()
         key = fences.idempotency_key
         if key is None:
@@ -274,7 +318,6 @@ class FenceGate:
     async def refuse(self, error: ToolGuardError, *, tool: str | None,
                      fences: Fences | None = None) -> Refused:
         """Audit a refusal decided before the fenced transaction, and return its problem."""
-        await self.check_store()
         problem = problem_from_error(error)
         fences = fences or Fences()
         entry = AuditEntry(decision="rejected", reason=problem.reason, tool=tool,
@@ -283,7 +326,36 @@ class FenceGate:
                            keys=tuple(sorted(fences.tokens)), tokens=fences.tokens,
                            detail=problem.detail[:2000], duration_ms=0.0)
         try:
-            await self.store.audit(entry)
-        except Exception as audit_error:  # the store may be what is down; the refusal stands
-            log.warning("could not audit a refused request (%s): %s", problem.reason, audit_error)
+            await self.check_store()
+        except asyncio.CancelledError as cancelled:  # the refusal is decided: it is audited
+            mark_audited(cancelled)
+            await self._audit(entry)
+            raise
+        await self._audit(entry)
         return Refused(problem)
+
+    async def cancelled(self, error: BaseException, *, tool: str | None,
+                        fences: Fences | None = None) -> None:
+        """One ``unknown``/``cancelled`` row for a request cancelled before the store wrote one
+        (in the body, the marker, the schema check); nothing of it was applied."""
+        if was_audited(error):
+            return
+        mark_audited(error)
+        fences = fences or Fences()
+        entry = AuditEntry(decision="unknown", reason="cancelled", tool=tool,
+                           agent=fences.agent, intent_id=fences.intent_id,
+                           idempotency_key=fences.idempotency_key,
+                           keys=tuple(sorted(fences.tokens)), tokens=fences.tokens,
+                           detail="cancelled before its fenced transaction: nothing was run",
+                           duration_ms=0.0)
+        await self._audit(entry)
+
+    async def _audit(self, entry: AuditEntry) -> None:
+        """Write ``entry`` to its end, even if the request is cancelled meanwhile."""
+        try:
+            await finish(self.store.audit(entry))
+        except asyncio.CancelledError as cancelled:  # written all the same: no second row
+            mark_audited(cancelled)
+            raise
+        except Exception as audit_error:  # the store may be what is down; the decision stands
+            log.warning("could not audit a refused request (%s): %s", entry.reason, audit_error)

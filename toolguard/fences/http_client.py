@@ -47,8 +47,20 @@ def fence_request(request: httpx.Request) -> httpx.Request:
         if name == IDEMPOTENCY_KEY_HEADER and own_key:
             continue
         request.headers[name] = value
+    _framing_last(request)
     request.extensions = {**request.extensions, _SENT: (_origin(request.url), id(request))}
     return request
+
+
+def _framing_last(request: httpx.Request) -> None:
+    """Keep ``Transfer-Encoding`` after the fence headers: a service reads fence fields only
+    before it (what follows may be a chunked body's trailers, see ``wire.parse_headers``)."""
+    raw = request.headers.raw
+    if not any(name.lower() == b"transfer-encoding" for name, _ in raw):
+        return
+    ordered = ([(n, v) for n, v in raw if n.lower() != b"transfer-encoding"]
+               + [(n, v) for n, v in raw if n.lower() == b"transfer-encoding"])
+    request.headers = httpx.Headers(ordered)
 
 
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from toolguard.errors import BackendUnavailable, GuardMisconfigured
+from toolguard.fences.shield import finish
 from toolguard.store import AsyncGuardedStore
 
 __all__ = ["InFlightRegistry", "LocalInFlight", "PostgresInFlight", "default_registry"]
@@ -110,17 +111,29 @@ class PostgresInFlight:
         import psycopg
 
         async with self.store.connection() as conn:
-            cursor = psycopg.AsyncClientCursor(conn)
             try:
+                cursor = psycopg.AsyncClientCursor(conn)
                 await cursor.execute(_TRY_LOCK, (self.namespace + key,))
                 cursor.nextset()  # past BEGIN's empty result
                 row = await cursor.fetchone()
                 yield bool(row and row[0])
             finally:
-                # Ends the transaction and with it the lock; a connection that broke took
-                # the lock with it already.
-                with contextlib.suppress(psycopg.Error):
-                    await asyncio.shield(conn.execute("ROLLBACK"))
+                # The connection goes back to the pool only once this has ended, cancelled
+                # or not: never with a statement still running on it.
+                await finish(self._end(conn))
+
+    async def _end(self, conn: Any) -> None:
+        """End the marker's transaction, and with it the lock; a connection that cannot be
+        brought back to idle is closed (the pool replaces it, and the lock ends with it)."""
+        import psycopg
+        from psycopg.pq import TransactionStatus
+
+        with contextlib.suppress(psycopg.Error, TimeoutError):
+            async with asyncio.timeout(self._timeout_s):
+                if not conn.closed:
+                    await conn.execute("ROLLBACK")
+        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
+            await conn.close()
 
 
 def default_registry(store: AsyncGuardedStore) -> InFlightRegistry:

@@ -24,6 +24,7 @@ does not require them still gets fenced when the call carries fences.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -93,11 +94,30 @@ class FenceToolMiddleware(Middleware):
             raise GuardMisconfigured(msg)
         self.require = require
 
+    async def on_request(self, context: MiddlewareContext[Any],
+                         call_next: CallNext[Any, Any]) -> Any:
+        """A ``tools/call`` the MCP SDK refused before any tool hook ran: if its ``_meta`` is
+        not an object, it is a fence field toolguard cannot read, refused and audited as such."""
+        message = context.message
+        if context.method == "tools/call" and isinstance(message, Mapping) and (
+                message.get("_meta") is not None and not isinstance(message["_meta"], Mapping)):
+            name = message.get("name")
+            tool = audit_name(name) if isinstance(name, str) else None
+            error = WireError(f"expected an object, got {_json_type(message['_meta'])}",
+                              field="_meta")
+            raise _mcp_error((await self.gate.refuse(error, tool=tool)).problem)
+        return await call_next(context)
+
     async def on_call_tool(self, context: MiddlewareContext[mcp_types.CallToolRequestParams],
                            call_next: CallNext[mcp_types.CallToolRequestParams, ToolResult]
                            ) -> ToolResult:
         name = audit_name(context.message.name)  # the exact name is in the digest below
         try:
+            repeated = await _repeated_meta_key(context)
+            if repeated is not None:
+                msg = ("the key appears more than once in the request's _meta (JSON keeps the "
+                       "last one; which was meant is not a guess)")
+                raise WireError(msg, field=repeated)
             fences = parse_meta(_request_meta(context))
         except WireError as error:
             raise _mcp_error((await self.gate.refuse(error, tool=name)).problem) from None
@@ -161,6 +181,71 @@ def _request_meta(context: MiddlewareContext[Any]) -> Mapping[str, Any] | None:
     if meta is not None and not isinstance(meta, Mapping):
         meta = meta.model_dump(by_alias=True) if hasattr(meta, "model_dump") else dict(meta)
     return meta
+
+
+class _Pairs(dict[str, Any]):
+    """A JSON object that remembers the first key it saw more than once."""
+
+    repeated: str | None = None
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+    found = _Pairs(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                found.repeated = key
+                break
+            seen.add(key)
+    return found
+
+
+def repeated_meta_key(raw: bytes | str) -> str | None:
+    """The first key that appears twice in the ``params._meta`` object of the JSON-RPC
+    message ``raw``, or None (also for text that is not one JSON-RPC request).
+
+    Numbers are not converted (a 5,000-digit integer costs nothing here), and the
+    parser's recursion limit is the MCP SDK's own parser's, which refused anything deeper
+    before this runs.
+    """
+    try:
+        message = json.loads(raw, object_pairs_hook=_pairs, parse_int=len, parse_float=len,
+                             parse_constant=len)
+    except (ValueError, RecursionError):
+        return None
+    params = message.get("params") if isinstance(message, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return meta.repeated if isinstance(meta, _Pairs) else None
+
+
+async def _repeated_meta_key(context: MiddlewareContext[Any]) -> str | None:
+    """``repeated_meta_key`` of this request's raw bytes, when the transport kept them.
+
+    Over streamable HTTP the SDK read the body through the Starlette request it hands
+    to the handler, which keeps it: that is the request as it arrived, before any JSON
+    object lost a repeated key.
+    """
+    fastmcp_context = context.fastmcp_context
+    request_context = fastmcp_context.request_context if fastmcp_context is not None else None
+    http = getattr(request_context, "request", None) if request_context is not None else None
+    raw = getattr(http, "_body", None)  # only a body already read: never read the stream again
+    if not isinstance(raw, bytes):
+        return None
+    return repeated_meta_key(raw)
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of a parsed value's type, for a refusal that does not echo the value."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return type(value).__name__
 
 
 def _record(result: ToolResult) -> dict[str, Any]:

@@ -371,12 +371,29 @@ def _display_string(body: str, field: str) -> str:
 
 
 def parse_headers(raw: Iterable[tuple[bytes, bytes]]) -> Fences:
-    """The fence fields of an ASGI header list; ``WireError`` if one is malformed or repeated."""
+    """The fence fields of an ASGI header list; ``WireError`` if one is malformed or repeated.
+
+    Fence fields come from the header section only. Some servers (uvicorn with
+    ``--http httptools``) append a chunked body's trailer fields to the same list, after
+    the header section, which therefore holds ``Transfer-Encoding``: a fence field listed
+    after the ``Transfer-Encoding`` line may be a trailer, and is refused (a proxy that
+    filters fence headers may pass trailers through).
+    """
     seen: dict[str, str] = {}
+    framed = False  # a Transfer-Encoding line came first: what follows may be trailers
     for raw_name, raw_value in raw:
-        name = _HEADER_NAMES.get(raw_name.lower())
+        lowered = raw_name.lower()
+        if lowered == b"transfer-encoding":
+            framed = True
+            continue
+        name = _HEADER_NAMES.get(lowered)
         if name is None:
             continue
+        if framed:
+            msg = ("listed after Transfer-Encoding, where a server may have put a chunked "
+                   "trailer: fence fields are read from the header section only, so send "
+                   "them before Transfer-Encoding (or with a Content-Length body)")
+            raise WireError(msg, field=name)
         if name in seen:
             msg = "the header appears more than once"
             raise WireError(msg, field=name)

@@ -38,7 +38,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -729,6 +729,12 @@ class _Worker:
         self.executor.shutdown(wait=False)
 
 
+def _give_taken(connections: _Connections, taking: Future[sqlite3.Connection]) -> None:
+    """Give back the connection ``taking`` took (run after it on the same worker thread)."""
+    if not taking.cancelled() and taking.exception() is None:
+        connections.give(taking.result())
+
+
 class _RowsBase:
     """A statement's rows, all fetched at once; ``matched`` counts them (or the rows changed)."""
 
@@ -791,6 +797,7 @@ class _AsyncSession:
     def __init__(self, sync: _Session, worker: _Worker) -> None:
         self.sync = sync
         self.worker = worker
+        self.committed = False
 
     def _execute_rows(self, query: str, params: Any) -> _Rows:
         cursor = self.sync.execute(query, params)
@@ -808,13 +815,29 @@ class _AsyncSession:
         return tx
 
     async def finish(self, tx: AsyncFencedTransaction, entry: AuditEntry) -> None:
-        await self.worker.run(self.sync.commit, tx, entry)
+        # A commit the caller stops waiting for still lands: its end is awaited, so that
+        # a cancellation after it is not recorded as a failure next to its ``accepted`` row.
+        committing = asyncio.ensure_future(self.worker.run(self.sync.commit, tx, entry))
+        cancelled: asyncio.CancelledError | None = None
+        while not committing.done():
+            try:
+                await asyncio.wait({committing})
+            except asyncio.CancelledError as error:
+                cancelled = cancelled or error
+        committing.result()  # a failed commit is a failure, cancelled or not
+        self.committed = True
+        if cancelled is not None:
+            raise cancelled
 
     async def abort(self, error: BaseException) -> BaseException:
+        if self.committed:  # cancelled after the commit: nothing to end
+            return error
         return await asyncio.shield(self.worker.run(self.sync.abort, error))
 
     async def record_failure(self, plan: FencePlan, entry: AuditEntry,
                              status: IntentStatus | None) -> None:
+        if self.committed:  # applied and audited ``accepted`` already
+            return
         await asyncio.shield(self.worker.run(self.sync.record_failure, plan, entry, status))
 
 
@@ -866,7 +889,13 @@ class AsyncSqliteStore:
     async def _session(self) -> AsyncIterator[_AsyncSession]:
         await self._ready()
         worker = _Worker()
-        conn = await worker.run(self.sync._connections.take)
+        taking = worker.executor.submit(self.sync._connections.take)
+        try:
+            conn = await asyncio.wrap_future(taking)
+        except BaseException:  # cancelled while the worker takes it: given back once taken
+            worker.executor.submit(_give_taken, self.sync._connections, taking)
+            worker.close()
+            raise
         try:
             yield _AsyncSession(_Session(self.sync, conn), worker)
         finally:
