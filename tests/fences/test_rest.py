@@ -50,7 +50,7 @@ def test_a_guarded_tool_writes_through_the_service_under_its_lease(service, serv
     (row,) = audit(service_store, decision="accepted")
     assert (row.agent, row.intent_id, row.tool) == ("intent_scorer", "call-1",
                                                   f"POST /leads/{lead}/score")
-    assert row.idempotency_key == f"{decision.idempotency_key}#1"
+    assert row.idempotency_key == f"/intent_scorer/{decision.idempotency_key}#1"  # its scope
     assert row.tokens == {key: decision.tokens[key]}
 
 
