@@ -84,3 +84,28 @@ def test_fence_reset_recovers_a_poisoned_key_audited_and_refused_under_a_live_le
                 pass
         assert store.high_water(key) == next_holder.token
     locks.close()
+
+
+def test_doctor_says_what_unsigned_mode_allows_and_checks_the_keys(
+        runner: CliRunner, tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    args = ["doctor", "--lock-url", f"sqlite:///{tmp_path}/locks.db", "--url",
+            f"sqlite:///{tmp_path}/store.db", "--json"]
+
+    def claims_check() -> dict:
+        result = runner.invoke(app, args)
+        return next(c for c in json.loads(result.stdout)["checks"] if c["name"] == "fence_claims")
+
+    unsigned = claims_check()
+    assert unsigned["status"] == "skip" and "unsigned mode" in unsigned["summary"]
+    assert "fence reset" in unsigned["summary"] and "any agent" in unsigned["summary"]
+    key_file = tmp_path / "k1.key"
+    public = runner.invoke(app, ["keys", "new", "--id", "k1", "--out", str(key_file)]).stdout
+    monkeypatch.setenv("TOOLGUARD_FENCE_SIGNING_KEY_FILE", str(key_file))
+    monkeypatch.setenv("TOOLGUARD_FENCE_VERIFY_KEYS", public.strip())
+    signed = claims_check()
+    assert signed["status"] == "pass" and "'k1'" in signed["summary"]
+    key_file.chmod(0o640)
+    broken = claims_check()
+    assert broken["status"] == "fail" and "chmod 600" in broken["summary"]
