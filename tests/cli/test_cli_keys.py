@@ -79,9 +79,10 @@ def test_fence_reset_recovers_a_poisoned_key_audited_and_refused_under_a_live_le
         assert rows[1].args["by"] == "alice" and rows[1].args["from"] == 2**63 - 1
         assert "by alice" in (rows[1].detail or "")
 
-        with locks.acquire(key, ttl_ms=30_000) as next_holder:  # a genuine holder writes again
-            with store.fenced(next_holder, IntentRecord(tool="POST /x")):
-                pass
+        # a genuine holder writes again
+        with (locks.acquire(key, ttl_ms=30_000) as next_holder,
+              store.fenced(next_holder, IntentRecord(tool="POST /x"))):
+            pass
         assert store.high_water(key) == next_holder.token
     locks.close()
 

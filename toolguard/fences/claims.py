@@ -286,10 +286,11 @@ class FenceSigner:
 
     def __init__(self, key: SigningKey, *, audience: str,
                  clock: Callable[[], float] = time.time) -> None:
-        if not isinstance(key, SigningKey):
+        given: object = key  # untyped callers may pass anything
+        if not isinstance(given, SigningKey):
             msg = f"FenceSigner needs a SigningKey (load_signing_key(...)), got {key!r}"
             raise GuardMisconfigured(msg)
-        self.key = key
+        self.key = given
         self.audience = _check_audience(audience, "FenceSigner")
         self._clock = clock
 

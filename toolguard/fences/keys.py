@@ -276,7 +276,8 @@ class Keyring(Mapping[str, VerifyingKey]):
 
     def __init__(self, keys: Iterable[VerifyingKey | SigningKey]) -> None:
         found: dict[str, VerifyingKey] = {}
-        for key in keys:
+        given: Iterable[object] = keys  # untyped callers may pass anything
+        for key in given:
             if isinstance(key, SigningKey):
                 key = key.public()
             if not isinstance(key, VerifyingKey):
@@ -328,7 +329,7 @@ def _read_secret_file(path: Path, *, must_be_private: bool) -> str:
 
 
 def _key_lines(text: str) -> list[str]:
-    lines = []
+    lines: list[str] = []
     for line in text.splitlines():
         stripped = line.split("#", 1)[0].strip()
         lines.extend(part for part in re.split(r"[\s,]+", stripped) if part)
