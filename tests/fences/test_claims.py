@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from toolguard.errors import GuardMisconfigured, LockLost, ToolGuardError
 from toolguard.fences import (
@@ -290,3 +292,20 @@ def test_keys_load_from_files_and_from_the_environment(tmp_path):
     with pytest.raises(FenceKeyError, match="chmod 600"):
         load_keyring(secret_ring)
     assert "material" not in repr(key) and key.text() not in repr(key)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.one_of(
+    st.text(max_size=300),
+    st.builds(lambda head, tail: head + tail, st.sampled_from(
+        ["tgf1.ed25519.k1.", "tgf1.hs256.k1.", ED25519_CLAIM[:-10], ED25519_CLAIM + ","]),
+        st.text(alphabet="AZaz09-_.,= ", max_size=200))))
+def test_whatever_the_claim_field_holds_the_answer_is_a_refusal_or_a_proof(text):
+    fences = replace(FENCES, claims=text)
+    try:
+        claims = verifier().verify(fences)
+    except ClaimRefused as error:
+        assert error.reason in ("claim_missing", "claim_malformed", "claim_unknown_key",
+                                "claim_bad_signature", "claim_mismatch", "claim_expired")
+    else:
+        assert [c.token for c in claims] == [1764000000000042]

@@ -106,18 +106,22 @@ def test_guarded_mcp_tools_sign_and_a_refusal_reaches_the_model(signed_mcp, stor
     guard = make_guard(tmp_path, "a", redis_url, asynchronous=True)
     lead = f"{unique}-G"
 
-    async def run(signer: FenceSigner, call_id: str, score: int):
+    async def run() -> tuple:
         async with Client(signed_mcp.url + "/mcp") as client:
-            tools = await guarded_mcp_tools(guard, client, agent="intent_scorer", signer=signer)
-            (tool,) = [t for t in tools if t.name == "set_score"]
-            tool_call = {"name": "set_score", "args": {"lead_id": lead, "score": score},
-                         "id": call_id, "type": "tool_call"}
-            return await tool.ainvoke(tool_call, {"configurable": {"thread_id": "tg"}})
+            messages = []
+            for signer, call_id, score in ((FenceSigner(OLD, audience="crm"), "g-1", 9),
+                                           (FenceSigner(STRANGER, audience="crm"), "g-2", 10)):
+                tools = await guarded_mcp_tools(guard, client, agent="intent_scorer",
+                                                signer=signer)
+                (tool,) = [t for t in tools if t.name == "set_score"]
+                tool_call = {"name": "set_score", "args": {"lead_id": lead, "score": score},
+                             "id": call_id, "type": "tool_call"}
+                messages.append(await tool.ainvoke(tool_call,
+                                                   {"configurable": {"thread_id": "tg"}}))
+            return tuple(messages)
 
-    applied = asyncio.run(run(FenceSigner(OLD, audience="crm"), "g-1", 9))
+    applied, refused = asyncio.run(run())
     assert applied.status != "error", applied.content
-    assert leads(store)[lead] == (9, 1)
-    refused = asyncio.run(run(FenceSigner(STRANGER, audience="crm"), "g-2", 10))
     assert refused.status == "error" and "claim_unknown_key" in str(refused.content)
     assert leads(store)[lead] == (9, 1)
     (row,) = store.query_audit(decision="rejected", limit=None)
