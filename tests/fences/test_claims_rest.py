@@ -84,6 +84,7 @@ def test_a_genuine_holder_passes_and_the_token_inflation_request_is_refused(
     assert store.high_water(key) == token
     (accepted,) = audit(store, decision="accepted")
     assert accepted.idempotency_key == f"crm/intent_scorer/{decision.idempotency_key}#1"
+    assert accepted.detail == "HTTP 201; signed by k1"
 
     wire_key = key.replace(":", "%3A")
     forged = httpx.post(f"{signed_service.url}/leads/{lead}/score", json={"score": 1},

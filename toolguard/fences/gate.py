@@ -189,6 +189,14 @@ def require_service_store(store: object, *, where: str) -> AsyncGuardedStore:
     return store
 
 
+def _signed_by(detail: str | None, claims: tuple[Claim, ...]) -> str | None:
+    """The audit detail, naming the key ids that signed (how a rotation sees the old id unused)."""
+    if not claims:
+        return detail
+    ids = ", ".join(sorted({claim.key_id for claim in claims}))
+    return f"{detail}; signed by {ids}" if detail else f"signed by {ids}"
+
+
 def _trust(claims: object, audience: object,
            where: str) -> tuple[ClaimVerifier | None, str | None]:
     """Signed mode (a ``ClaimVerifier``, whose audience scopes the answers) or unsigned."""
@@ -289,7 +297,7 @@ class FenceGate:
                     _current.reset(bound)
                 if not answer.commit:
                     raise _Declined(answer)
-                tx.detail = answer.detail
+                tx.detail = _signed_by(answer.detail, claims)
                 tx.record(answer.record)
         except _Declined as declined:
             return Declined(declined.answer.value)
