@@ -21,7 +21,9 @@ The checklist:
    next token the lock server can grant is above the store's high-water mark;
 10. a PostgreSQL store: its role may end a paused holder's transaction (the
     next holder does, with ``pg_terminate_backend``; without the permission it
-    waits, fail safe).
+    waits, fail safe);
+11. fence claims: the signing and verifying keys in ``TOOLGUARD_FENCE_*`` can be read,
+    and what a fenced service without them (unsigned mode) lets any caller do.
 
 Redis Cluster (``redis+cluster://``) is probed on every primary: its
 configuration, persistence and clock are reported per node. Sentinel
@@ -404,6 +406,46 @@ def _reason(error: BaseException) -> str:
 # --- the checks -------------------------------------------------------------------------------
 
 
+_UNSIGNED = ("unsigned mode: a fenced service built without claims=ClaimVerifier(...) takes "
+             "every Fencing-Token, agent and Idempotency-Key its network sends: one request with "
+             "a huge token refuses every genuine holder of that key until `toolguard fence "
+             "reset`, and any caller can write under any key or pass for any agent")
+
+
+def _fence_claims(environ: Mapping[str, str]) -> Check:
+    """Signed or unsigned fences: the keys configured here, or what their absence allows."""
+    from toolguard.fences.keys import (
+        SIGNING_KEY_ENV,
+        SIGNING_KEY_FILE_ENV,
+        VERIFY_KEYS_ENV,
+        VERIFY_KEYS_FILE_ENV,
+        load_keyring,
+        load_signing_key,
+    )
+
+    title, why = ("Fence claims (signed mode)",
+                  "a service trusts a fencing token only when a guard's key signed it for that "
+                  "service; without keys it trusts its whole network")
+    found = []
+    try:
+        if environ.get(SIGNING_KEY_ENV) or environ.get(SIGNING_KEY_FILE_ENV):
+            key = load_signing_key(environ=environ)
+            found.append(f"signs as {key.key_id!r} ({key.algorithm})")
+        if environ.get(VERIFY_KEYS_ENV) or environ.get(VERIFY_KEYS_FILE_ENV):
+            ring = load_keyring(environ=environ)
+            found.append(f"verifies key ids {', '.join(sorted(ring))}")
+    except ConfigurationError as error:
+        return Check("fence_claims", title, "fail", str(error), why,
+                     fix="fix the key file or variable, or make a key with `toolguard keys new`")
+    if not found:
+        return Check("fence_claims", title, "skip",
+                     f"no TOOLGUARD_FENCE_* keys in this environment; {_UNSIGNED}", why,
+                     fix="on an untrusted network: `toolguard keys new`, FenceSigner on the "
+                         "clients, ClaimVerifier on the services (docs/fences.md)",
+                     data={"mode": "unsigned"})
+    return Check("fence_claims", title, "pass", "; ".join(found), why, data={"mode": "signed"})
+
+
 def run_checks(
     *,
     lock_url: str | None = None,
@@ -493,6 +535,7 @@ def run_checks(
         checks.append(_ttls(probe, rtts, ttls, wait))
         checks.append(_fences(probe, store, installed, lock_url, sample, reseed, redis_prefix))
         checks.append(_signal(store, installed))
+        checks.append(_fence_claims(os.environ))
     finally:
         if probe is not None:
             with contextlib.suppress(Exception):

@@ -29,6 +29,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "mcp": ("fastmcp", "mcp"),
     "review": ("starlette", "jinja2", "uvicorn"),
     "otel": ("opentelemetry",),
+    "signing": ("cryptography",),
 }
 
 

@@ -17,7 +17,7 @@ from toolguard.store import IntentRecord, open_store
 
 DEMO_POLICY = Path(__file__).resolve().parents[2] / "toolguard" / "demo" / "policy.yml"
 CHECKS = {"lock_server", "store", "redis_eviction", "persistence", "clock", "schema", "lock_schema",
-          "ttl", "fences", "pg_signal"}
+          "ttl", "fences", "pg_signal", "fence_claims"}
 
 
 def doctor(runner: CliRunner, *args: str):

@@ -50,7 +50,7 @@ def test_a_guarded_tool_writes_through_the_service_under_its_lease(service, serv
     (row,) = audit(service_store, decision="accepted")
     assert (row.agent, row.intent_id, row.tool) == ("intent_scorer", "call-1",
                                                   f"POST /leads/{lead}/score")
-    assert row.idempotency_key == f"{decision.idempotency_key}#1"
+    assert row.idempotency_key == f"/intent_scorer/{decision.idempotency_key}#1"  # its scope
     assert row.tokens == {key: decision.tokens[key]}
 
 
@@ -307,7 +307,8 @@ def test_refusals_reach_the_guard_as_typed_errors(service, service_store, redis_
                                                   unique):
     lead = f"{unique}-T"
     assert httpx.post(f"{service.url}/leads/{lead}/score", json={"score": 1},
-                      headers=fenced({f"lead:{lead}": 1}, "manual#1")).status_code == 201
+                      headers=fenced({f"lead:{lead}": 1}, "manual#1", agent="scorer")
+                      ).status_code == 201  # the same agent: answers are scoped to it
     guard = make_guard(tmp_path, "a", redis_url)
     http = FencedClient(base_url=service.url)
 

@@ -16,6 +16,11 @@ Server side, in the service that owns the data:
   the same transaction as the handler's writes (``fence_of(request).tx`` /
   ``current_fence().tx``), replay recorded answers and audit every decision.
 
+Signed mode: ``FenceSigner`` (client side, from the lease in hand) and
+``ClaimVerifier`` (server side, ``claims=``) make a fence count only when a
+trusted key signed it for this service (``toolguard.fences.claims``; keys in
+``toolguard.fences.keys``, extra ``signing`` for Ed25519).
+
 The wire format is in ``toolguard.fences.wire``; the refusals and their codes
 in ``toolguard.fences.problems``. Nothing here needs LangGraph, and each name
 imports its third-party library only when it is first used.
@@ -28,9 +33,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on first use
     from toolguard.fences.asgi import FenceMiddleware, fence_of
+    from toolguard.fences.claims import Claim, ClaimRefused, ClaimVerifier, FenceSigner
     from toolguard.fences.gate import FenceGate, ServiceFence, current_fence
     from toolguard.fences.http_client import AsyncFencedClient, FencedClient
     from toolguard.fences.inflight import LocalInFlight, PostgresInFlight
+    from toolguard.fences.keys import (
+        FenceKeyError,
+        Keyring,
+        SigningKey,
+        VerifyingKey,
+        generate_signing_key,
+        load_keyring,
+        load_signing_key,
+    )
     from toolguard.fences.mcp_client import FencedSession, guarded_mcp_tools
     from toolguard.fences.mcp_server import FenceToolMiddleware
     from toolguard.fences.outgoing import outgoing_fences
@@ -39,8 +54,13 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
 
 __all__ = [
     "AsyncFencedClient",
+    "Claim",
+    "ClaimRefused",
+    "ClaimVerifier",
     "FenceGate",
+    "FenceKeyError",
     "FenceMiddleware",
+    "FenceSigner",
     "FenceToolMiddleware",
     "FencedClient",
     "FencedSession",
@@ -48,14 +68,20 @@ __all__ = [
     "FencesRequired",
     "InFlight",
     "KeyNotFenced",
+    "Keyring",
     "LocalInFlight",
     "PostgresInFlight",
     "Problem",
     "ServiceFence",
+    "SigningKey",
+    "VerifyingKey",
     "WireError",
     "current_fence",
     "fence_of",
+    "generate_signing_key",
     "guarded_mcp_tools",
+    "load_keyring",
+    "load_signing_key",
     "outgoing_fences",
 ]
 
@@ -79,6 +105,17 @@ _WHERE = {
     "LocalInFlight": "inflight",
     "PostgresInFlight": "inflight",
     "outgoing_fences": "outgoing",
+    "Claim": "claims",
+    "ClaimRefused": "claims",
+    "ClaimVerifier": "claims",
+    "FenceSigner": "claims",
+    "FenceKeyError": "keys",
+    "Keyring": "keys",
+    "SigningKey": "keys",
+    "VerifyingKey": "keys",
+    "generate_signing_key": "keys",
+    "load_keyring": "keys",
+    "load_signing_key": "keys",
 }
 
 

@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from toolguard.errors import GuardMisconfigured, ToolGuardError
+from toolguard.fences.claims import ClaimVerifier
 from toolguard.fences.gate import (
     Answer,
     Applied,
@@ -101,14 +102,20 @@ class FenceMiddleware:
     recorded responses, ``toolguard_audit`` every decision. ``inflight`` tells
     a key still being served (default: advisory locks on PostgreSQL, this
     process on SQLite). ``max_body_bytes`` bounds the buffered request body (413).
+    ``claims`` (a ``ClaimVerifier``) is signed mode: a fence counts only with a claim a
+    trusted key signed for this service (401/403 otherwise); without it the service
+    trusts the network (unsigned mode), and ``audience`` names it for the scope of
+    its recorded answers (see ``toolguard.fences.scope``).
     """
 
     def __init__(self, app: ASGIApp, *, store: AsyncGuardedStore,
                  require: Callable[[Scope], bool] = unsafe_methods,
                  inflight: InFlightRegistry | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 claims: ClaimVerifier | None = None, audience: str | None = None) -> None:
         self.app = app
-        self.gate = FenceGate(store, inflight=inflight, where="FenceMiddleware")
+        self.gate = FenceGate(store, inflight=inflight, where="FenceMiddleware", claims=claims,
+                              audience=audience)
         given: object = require  # untyped callers may pass anything
         if not callable(given):
             msg = f"FenceMiddleware: require must be a function of the ASGI scope, got {require!r}"

@@ -41,8 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolguard.errors import DuplicateIntent, GuardMisconfigured, ToolGuardError
+from toolguard.fences.claims import Claim, ClaimRefused, ClaimVerifier
 from toolguard.fences.inflight import InFlightRegistry, default_registry
 from toolguard.fences.problems import InFlight, KeyNotFenced, Problem, problem_from_error
+from toolguard.fences.scope import scoped_key
 from toolguard.fences.shield import finish, isolated
 from toolguard.fences.wire import Fences
 from toolguard.store import AsyncFencedTransaction, AsyncGuardedStore, AuditEntry, IntentRecord
@@ -76,6 +78,8 @@ class ServiceFence:
     tx: AsyncFencedTransaction
     fences: Fences
     tool: str
+    #: The verified claims, one per fenced key (empty in unsigned mode).
+    claims: tuple[Claim, ...] = ()
 
     @property
     def tokens(self) -> Mapping[str, int]:
@@ -195,6 +199,32 @@ def require_service_store(store: object, *, where: str) -> AsyncGuardedStore:
     return store
 
 
+def _signed_by(detail: str | None, claims: tuple[Claim, ...]) -> str | None:
+    """The audit detail, naming the key ids that signed (how a rotation sees the old id unused)."""
+    if not claims:
+        return detail
+    ids = ", ".join(sorted({claim.key_id for claim in claims}))
+    return f"{detail}; signed by {ids}" if detail else f"signed by {ids}"
+
+
+def _trust(claims: object, audience: object,
+           where: str) -> tuple[ClaimVerifier | None, str | None]:
+    """Signed mode (a ``ClaimVerifier``, whose audience scopes the answers) or unsigned."""
+    if claims is not None and not isinstance(claims, ClaimVerifier):
+        msg = f"{where}: claims must be a ClaimVerifier (or None: unsigned mode), got {claims!r}"
+        raise GuardMisconfigured(msg)
+    if audience is not None and (not isinstance(audience, str) or not audience):
+        msg = f"{where}: audience must be the service's name, got {audience!r}"
+        raise GuardMisconfigured(msg)
+    if claims is not None:
+        if audience is not None and audience != claims.audience:
+            msg = (f"{where}: audience {audience!r} is not the ClaimVerifier's "
+                   f"{claims.audience!r}: give it once, to the ClaimVerifier")
+            raise GuardMisconfigured(msg)
+        return claims, claims.audience
+    return None, audience
+
+
 class FenceGate:
     """Checks a request's fences against the service's store and runs its handler inside them.
 
@@ -205,8 +235,10 @@ class FenceGate:
     """
 
     def __init__(self, store: AsyncGuardedStore, *,
-                 inflight: InFlightRegistry | None = None, where: str = "FenceGate") -> None:
+                 inflight: InFlightRegistry | None = None, where: str = "FenceGate",
+                 claims: ClaimVerifier | None = None, audience: str | None = None) -> None:
         self.store = require_service_store(store, where=where)
+        self.claims, self.audience = _trust(claims, audience, where)
         if inflight is not None and not callable(getattr(inflight, "hold", None)):
             msg = f"{where}: inflight must have hold(key) (an InFlightRegistry), got {inflight!r}"
             raise GuardMisconfigured(msg)
@@ -270,30 +302,38 @@ class FenceGate:
     async def _marked(self, fences: Fences, tool: str, digest: str,
                       handler: Handler) -> Outcome:
         await self.check_store()
+        claims: tuple[Claim, ...] = ()
+        if self.claims is not None:  # signed mode: nothing is touched for an unproven fence
+            try:
+                claims = self.claims.verify(fences)
+            except ClaimRefused as error:
+                return await self.refuse(error, tool=tool, fences=fences)
         key = fences.idempotency_key
         if key is None:
-            return await self._fenced(fences, tool, digest, handler)
+            return await self._fenced(fences, tool, digest, handler, None, claims)
+        stored = scoped_key(key, audience=self.audience, agent=fences.agent)
         async with contextlib.AsyncExitStack() as stack:
             try:
-                held = await stack.enter_async_context(self.inflight.hold(key))
+                held = await stack.enter_async_context(self.inflight.hold(stored))
             except ToolGuardError as error:  # the marker's store is down: 503, audited if it can
                 return await self.refuse(error, tool=tool, fences=fences)
             if not held:
                 msg = f"a request with idempotency key {key!r} is still in flight; retry later"
                 return await self.refuse(InFlight(msg, idempotency_key=key), tool=tool,
                                          fences=fences)
-            return await self._fenced(fences, tool, digest, handler)
+            return await self._fenced(fences, tool, digest, handler, stored, claims)
 
-    async def _fenced(self, fences: Fences, tool: str, digest: str,
-                      handler: Handler) -> Outcome:
+    async def _fenced(self, fences: Fences, tool: str, digest: str, handler: Handler,
+                      stored: str | None, claims: tuple[Claim, ...]) -> Outcome:
         key = fences.idempotency_key
-        record = IntentRecord(tool=tool, idempotency_key=key, args_hash=digest if key else None,
+        record = IntentRecord(tool=tool, idempotency_key=stored,
+                              args_hash=digest if stored else None,
                               agent=fences.agent, intent_id=fences.intent_id,
                               keys=tuple(sorted(fences.tokens)))
         answer: Answer | None = None
         try:
             async with self.store.fenced(fences.tokens, record) as tx:
-                fence = ServiceFence(tx, fences, tool)
+                fence = ServiceFence(tx, fences, tool, claims)
                 bound = _current.set(fence)
                 try:
                     answer = await handler(fence)
@@ -301,7 +341,7 @@ class FenceGate:
                     _current.reset(bound)
                 if not answer.commit:
                     raise _Declined(answer)
-                tx.detail = answer.detail
+                tx.detail = _signed_by(answer.detail, claims)
                 tx.record(answer.record)
         except _Declined as declined:
             return Declined(declined.answer.value)
@@ -320,9 +360,11 @@ class FenceGate:
         """Audit a refusal decided before the fenced transaction, and return its problem."""
         problem = problem_from_error(error)
         fences = fences or Fences()
+        key = fences.idempotency_key
         entry = AuditEntry(decision="rejected", reason=problem.reason, tool=tool,
                            agent=fences.agent, intent_id=fences.intent_id,
-                           idempotency_key=fences.idempotency_key,
+                           idempotency_key=None if key is None else scoped_key(
+                               key, audience=self.audience, agent=fences.agent),
                            keys=tuple(sorted(fences.tokens)), tokens=fences.tokens,
                            detail=problem.detail[:2000], duration_ms=0.0)
         try:

@@ -22,33 +22,52 @@ unfenced.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import httpx
 
+from toolguard.context import current
 from toolguard.errors import ToolGuardError
+from toolguard.fences.claims import FenceSigner, HeldLease, check_signer
 from toolguard.fences.outgoing import outgoing_fences
 from toolguard.fences.problems import CONTENT_TYPE, error_from_problem
-from toolguard.fences.wire import IDEMPOTENCY_KEY_HEADER, SAFE_METHODS
+from toolguard.fences.wire import (
+    CLAIM_HEADER,
+    IDEMPOTENCY_KEY_HEADER,
+    SAFE_METHODS,
+    decode_text,
+)
 
 __all__ = ["AsyncFencedClient", "FencedClient", "check_redirect", "fence_request",
            "raise_for_refusal"]
 
 
 _SENT = "toolguard.fenced"  # request extension: (origin, id) of the request fenced here
+_SIGNER = "toolguard.signer"  # request extension: the signer of a signed request (redirects)
 
 
-def fence_request(request: httpx.Request) -> httpx.Request:
-    """Add the current call's fence headers to ``request`` (in place); returns it."""
+def fence_request(request: httpx.Request, signer: FenceSigner | None = None) -> httpx.Request:
+    """Add the current call's fence headers to ``request`` (in place); returns it.
+
+    With ``signer``, ``Fencing-Claim`` too: signed from the lease in hand, for the
+    signer's audience. A request that sets its own ``Idempotency-Key`` gets it signed.
+    """
     own_key = IDEMPOTENCY_KEY_HEADER in request.headers
     unsafe = request.method.upper() not in SAFE_METHODS
     fences = outgoing_fences(idempotent=unsafe and not own_key)
+    if own_key and signer is not None:
+        fences = replace(fences, idempotency_key=decode_text(
+            request.headers[IDEMPOTENCY_KEY_HEADER], field=IDEMPOTENCY_KEY_HEADER))
+    if signer is not None:
+        fences = signer.sign(fences, _lease())
     for name, value in fences.headers().items():
         if name == IDEMPOTENCY_KEY_HEADER and own_key:
             continue
         request.headers[name] = value
     _framing_last(request)
-    request.extensions = {**request.extensions, _SENT: (_origin(request.url), id(request))}
+    request.extensions = {**request.extensions, _SENT: (_origin(request.url), id(request)),
+                          _SIGNER: signer}
     return request
 
 
@@ -61,6 +80,14 @@ def _framing_last(request: httpx.Request) -> None:
     ordered = ([(n, v) for n, v in raw if n.lower() != b"transfer-encoding"]
                + [(n, v) for n, v in raw if n.lower() == b"transfer-encoding"])
     request.headers = httpx.Headers(ordered)
+
+
+def _lease() -> HeldLease:
+    lease = current().lease
+    if lease is None:  # outgoing_fences refused a call without a lock already
+        msg = "this call holds no lease: nothing to sign"
+        raise ToolGuardError(msg, reason="no_fences")
+    return lease
 
 
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
@@ -83,8 +110,15 @@ def check_redirect(request: httpx.Request) -> None:
         msg = (f"a fenced request was redirected to another origin ({request.url.scheme}://"
                f"{request.url.host}): not followed, its fences are for the service it was sent to")
         raise ToolGuardError(msg, reason="fenced_redirect")
-    if request.method.upper() in SAFE_METHODS:
+    if request.method.upper() in SAFE_METHODS and IDEMPOTENCY_KEY_HEADER in request.headers:
         request.headers.pop(IDEMPOTENCY_KEY_HEADER, None)
+        if CLAIM_HEADER in request.headers:  # its claims named the key: signed again without it
+            signer = request.extensions.get(_SIGNER)
+            if signer is None:
+                msg = "a signed request was redirected, and its client has no signer to re-sign it"
+                raise ToolGuardError(msg, reason="fenced_redirect")
+            fences = signer.sign(outgoing_fences(idempotent=False), _lease())
+            request.headers[CLAIM_HEADER] = fences.headers()[CLAIM_HEADER]
 
 
 async def _acheck_redirect(request: httpx.Request) -> None:
@@ -120,15 +154,21 @@ def raise_for_refusal(response: httpx.Response) -> httpx.Response:
 
 
 class FencedClient(httpx.Client):
-    """An ``httpx.Client`` whose requests carry the running guarded call's fences."""
+    """An ``httpx.Client`` whose requests carry the running guarded call's fences.
 
-    def __init__(self, *args: Any, raise_refusals: bool = True, **kwargs: Any) -> None:
+    ``signer`` (a ``FenceSigner`` for the service's audience) signs them: the
+    client of a service in signed mode needs one.
+    """
+
+    def __init__(self, *args: Any, raise_refusals: bool = True,
+                 signer: FenceSigner | None = None, **kwargs: Any) -> None:
+        self.signer = check_signer(signer, "FencedClient")
         super().__init__(*args, **kwargs)
         self.event_hooks = _with_hook(self.event_hooks, check_redirect)
         self.raise_refusals = raise_refusals
 
     def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-        response = super().send(fence_request(request), **kwargs)
+        response = super().send(fence_request(request, self.signer), **kwargs)
         if self.raise_refusals and response.status_code >= 400:
             response.read()
             raise_for_refusal(response)
@@ -138,13 +178,15 @@ class FencedClient(httpx.Client):
 class AsyncFencedClient(httpx.AsyncClient):
     """The asyncio twin of ``FencedClient``."""
 
-    def __init__(self, *args: Any, raise_refusals: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, raise_refusals: bool = True,
+                 signer: FenceSigner | None = None, **kwargs: Any) -> None:
+        self.signer = check_signer(signer, "AsyncFencedClient")
         super().__init__(*args, **kwargs)
         self.event_hooks = _with_hook(self.event_hooks, _acheck_redirect)
         self.raise_refusals = raise_refusals
 
     async def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
-        response = await super().send(fence_request(request), **kwargs)
+        response = await super().send(fence_request(request, self.signer), **kwargs)
         if self.raise_refusals and response.status_code >= 400:
             await response.aread()
             raise_for_refusal(response)

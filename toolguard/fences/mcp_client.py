@@ -20,10 +20,14 @@ policy decides their locks, and the server checks the tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from toolguard.errors import GuardMisconfigured
 from toolguard.fences.outgoing import outgoing_fences
 from toolguard.fences.problems import error_from_problem
+
+if TYPE_CHECKING:
+    from toolguard.fences.claims import FenceSigner
 
 __all__ = ["FencedSession", "guarded_mcp_tools", "raise_for_refusal"]
 
@@ -38,17 +42,25 @@ def raise_for_refusal(error: BaseException) -> None:
 
 
 class FencedSession:
-    """An MCP client session whose ``call_tool`` forwards the running guarded call's fences."""
+    """An MCP client session whose ``call_tool`` forwards the running guarded call's fences.
 
-    def __init__(self, session: Any) -> None:
+    ``signer`` (a ``FenceSigner`` for the server's audience) signs them, from the
+    call's lease, for a server in signed mode.
+    """
+
+    def __init__(self, session: Any, *, signer: FenceSigner | None = None) -> None:
+        from toolguard.fences.claims import check_signer
+
         self.session = session
+        self.signer = check_signer(signer, "FencedSession")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.session, name)
 
     async def call_tool(self, name: str, arguments: dict[str, Any] | None = None, *args: Any,
                         meta: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        fenced = {**(meta or {}), **outgoing_fences(idempotent=True).meta()}
+        fences = outgoing_fences(idempotent=True, signer=self.signer)
+        fenced = {**(meta or {}), **fences.meta()}
         try:
             return await self.session.call_tool(name, arguments, *args, meta=fenced, **kwargs)
         except Exception as error:
@@ -67,18 +79,26 @@ def _caller(session: FencedSession, name: str, failure: type[Exception]) -> Any:
     return call
 
 
-async def guarded_mcp_tools(guard: Any, session: Any, *, agent: str | None = None) -> list[Any]:
+async def guarded_mcp_tools(guard: Any, session: Any, *, agent: str | None = None,
+                            signer: FenceSigner | None = None) -> list[Any]:
     """Guarded LangChain tools for every tool the MCP server lists, forwarding fences.
 
     ``session`` is a connected ``ClientSession`` or FastMCP ``Client`` (wrapped
-    in ``FencedSession`` here if it is not already). An MCP error result raises
+    in ``FencedSession(session, signer=signer)`` here if it is not already; a
+    ``FencedSession`` given with a ``signer`` here too is a mistake that raises). An MCP error result raises
     ``ToolException``, so the guard rolls the call back and audits it as failed.
     """
     from langchain_core.tools import StructuredTool, ToolException
 
     from toolguard.adapters import guard_tool
 
-    fenced = session if isinstance(session, FencedSession) else FencedSession(session)
+    if isinstance(session, FencedSession):
+        if signer is not None and session.signer is not signer:
+            msg = "guarded_mcp_tools: the FencedSession has its own signer; give it only once"
+            raise GuardMisconfigured(msg)
+        fenced = session
+    else:
+        fenced = FencedSession(session, signer=signer)
     listed = await fenced.list_tools()
     tools = getattr(listed, "tools", listed)
     out = []

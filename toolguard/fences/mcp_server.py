@@ -35,6 +35,7 @@ from mcp.shared.exceptions import MCPError
 from pydantic import TypeAdapter
 
 from toolguard.errors import GuardMisconfigured, ToolGuardError
+from toolguard.fences.claims import ClaimVerifier
 from toolguard.fences.gate import (
     Answer,
     Applied,
@@ -75,13 +76,15 @@ class FenceToolMiddleware(Middleware):
     ``store`` is the server's own installed ``AsyncGuardedStore``; ``inflight``
     as for ``FenceMiddleware``; ``max_argument_bytes`` bounds a fenced call's
     arguments as canonical JSON (``request_too_large``, as a REST body over
-    ``max_body_bytes``).
+    ``max_body_bytes``); ``claims`` and ``audience`` as for ``FenceMiddleware``.
     """
 
     def __init__(self, *, store: Any, require: Callable[[str], bool] = _every_tool,
                  inflight: InFlightRegistry | None = None,
-                 max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES) -> None:
-        self.gate = FenceGate(store, inflight=inflight, where="FenceToolMiddleware")
+                 max_argument_bytes: int = DEFAULT_MAX_ARGUMENT_BYTES,
+                 claims: ClaimVerifier | None = None, audience: str | None = None) -> None:
+        self.gate = FenceGate(store, inflight=inflight, where="FenceToolMiddleware",
+                              claims=claims, audience=audience)
         if (not isinstance(max_argument_bytes, int) or isinstance(max_argument_bytes, bool)
                 or max_argument_bytes < 0):
             msg = (f"FenceToolMiddleware: max_argument_bytes must be an int >= 0, "

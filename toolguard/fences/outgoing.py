@@ -16,9 +16,14 @@ refused) and records nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from toolguard.context import current
 from toolguard.errors import ToolGuardError
 from toolguard.fences.wire import Fences
+
+if TYPE_CHECKING:
+    from toolguard.fences.claims import FenceSigner
 
 __all__ = ["outgoing_fences"]
 
@@ -26,9 +31,10 @@ _SEQUENCE = "toolguard.fences.sequence"
 _MAX_AUDIT_TEXT = 256
 
 
-def outgoing_fences(*, idempotent: bool) -> Fences:
+def outgoing_fences(*, idempotent: bool, signer: FenceSigner | None = None) -> Fences:
     """The fences of the guarded call running here; ``idempotent=True`` numbers a new key.
 
+    With ``signer`` they carry claims signed from the call's lease (signed mode).
     Raises ``ToolGuardError`` (``no_context``) outside a guarded call, ``LockLost``
     if the lease is gone, and ``ToolGuardError`` (``no_fences``) for a call that
     holds no lock (a read-only tool has nothing to fence with).
@@ -44,9 +50,12 @@ def outgoing_fences(*, idempotent: bool) -> Fences:
         number = int(ctx.extra.get(_SEQUENCE, 0)) + 1
         ctx.extra[_SEQUENCE] = number
         key = f"{ctx.idempotency_key}#{number}"
-    return Fences(tokens=dict(ctx.tokens), idempotency_key=key,
-                  agent=_audit_text(ctx.intent.agent),
-                  intent_id=_audit_text(ctx.intent.call_id or ctx.intent.id))
+    fences = Fences(tokens=dict(ctx.tokens), idempotency_key=key,
+                    agent=_audit_text(ctx.intent.agent),
+                    intent_id=_audit_text(ctx.intent.call_id or ctx.intent.id))
+    if signer is None or ctx.lease is None:
+        return fences
+    return signer.sign(fences, ctx.lease)
 
 
 def _audit_text(value: str | None) -> str | None:

@@ -21,6 +21,10 @@ request_incomplete    400     -32602      the client left before the end of the 
 fences_unsupported    400     -32602      fences on a request that cannot be fenced (a websocket)
 backend_unavailable   503     -32075      the service's fence store cannot be reached
 store_error           500     -32076      the fence store refused (schema missing, ...)
+claim_*               401     -32078      signed mode: no, malformed, unknown-key, badly
+                                          signed or expired claim (``toolguard.fences.claims``)
+claim_wrong_audience  403     -32079      a claim signed for another service
+claim_mismatch        403     -32079      a claim whose token, agent or key is not the request's
 ====================  ======  ==========  ===============================================
 
 Pure: no I/O.
@@ -41,6 +45,7 @@ from toolguard.errors import (
     StoreError,
     ToolGuardError,
 )
+from toolguard.fences.claims import ClaimRefused
 from toolguard.fences.wire import WireError
 from toolguard.safe_text import safe_str, text_of
 
@@ -70,6 +75,13 @@ _STATUS: Mapping[str, tuple[int, str]] = {
     "fences_unsupported": (400, "Request cannot be fenced"),
     "backend_unavailable": (503, "Fence store unavailable"),
     "store_error": (500, "Fence store error"),
+    "claim_missing": (401, "Fence claim required"),
+    "claim_malformed": (401, "Malformed fence claim"),
+    "claim_unknown_key": (401, "Fence claim signed by an unknown key"),
+    "claim_bad_signature": (401, "Fence claim signature invalid"),
+    "claim_expired": (401, "Fence claim expired"),
+    "claim_wrong_audience": (403, "Fence claim for another service"),
+    "claim_mismatch": (403, "Fence claim does not match the request"),
 }
 
 #: JSON-RPC error code per reason (implementation-defined server errors, -32000..-32099;
@@ -87,6 +99,13 @@ MCP_CODES: Mapping[str, int] = {
     "fences_unsupported": -32602,
     "backend_unavailable": -32075,
     "store_error": -32076,
+    "claim_missing": -32078,
+    "claim_malformed": -32078,
+    "claim_unknown_key": -32078,
+    "claim_bad_signature": -32078,
+    "claim_expired": -32078,
+    "claim_wrong_audience": -32079,
+    "claim_mismatch": -32079,
 }
 
 
@@ -153,6 +172,8 @@ class Problem:
 
 def problem_from_error(error: ToolGuardError) -> Problem:
     """The problem a service answers for a toolguard error raised at its fence."""
+    if isinstance(error, ClaimRefused):
+        return Problem(error.reason, error.message, error.extras())
     if isinstance(error, StaleFencingToken):
         return Problem(error.reason, error.message,
                        {"key": error.key, "token": error.token, "current": error.current})
@@ -196,6 +217,9 @@ def error_from_problem(body: Mapping[str, Any]) -> ToolGuardError | None:
                             if isinstance(keys, list) else ())
     if reason == "backend_unavailable":
         return BackendUnavailable(text)
+    if reason.startswith("claim_"):
+        return ClaimRefused(text, reason=reason, lock_key=_str(body.get("key")),
+                            key_id=_str(body.get("key_id")), field=_str(body.get("field")))
     if reason in ("invalid_fence_header", "invalid_fencing_token"):
         return InvalidFencingToken(text, reason=reason)
     return StoreError(text)

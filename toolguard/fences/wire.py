@@ -50,6 +50,7 @@ from toolguard.errors import ToolGuardError
 
 __all__ = [
     "AGENT_HEADER",
+    "CLAIM_HEADER",
     "FENCING_TOKEN_HEADER",
     "IDEMPOTENCY_KEY_HEADER",
     "INTENT_HEADER",
@@ -74,6 +75,8 @@ IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
 FENCING_TOKEN_HEADER = "Fencing-Token"
 AGENT_HEADER = "Toolguard-Agent"
 INTENT_HEADER = "Toolguard-Intent"
+#: The signed claims of the fences (``toolguard.fences.claims``): ASCII, parsed by the verifier.
+CLAIM_HEADER = "Fencing-Claim"
 #: Methods that change nothing: fenced when they carry fences, but never given an idempotency key.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: Response header on a replayed response (the recorded one, not a new run).
@@ -85,6 +88,7 @@ META_KEYS: Mapping[str, str] = {
     FENCING_TOKEN_HEADER: "toolguard/fencing-token",
     AGENT_HEADER: "toolguard/agent",
     INTENT_HEADER: "toolguard/intent",
+    CLAIM_HEADER: "toolguard/fencing-claim",
 }
 _META_PREFIX = "toolguard/"
 _HEADER_NAMES = {name.lower().encode("ascii"): name for name in META_KEYS}
@@ -127,12 +131,14 @@ class Fences:
     idempotency_key: str | None = None
     agent: str | None = None
     intent_id: str | None = None
+    #: The ``Fencing-Claim`` text as it came (checked by ``ClaimVerifier``), or None.
+    claims: str | None = None
 
     @property
     def present(self) -> bool:
         """True if the request carried any fence field at all."""
         return bool(self.tokens) or any(v is not None for v in (self.idempotency_key, self.agent,
-                                                               self.intent_id))
+                                                               self.intent_id, self.claims))
 
     def headers(self) -> dict[str, str]:
         """The HTTP headers for these values (absent values are left out)."""
@@ -142,6 +148,8 @@ class Fences:
         for name, value in self._texts():
             if value is not None:
                 out[name] = encode_text(value, field=name)
+        if self.claims is not None:
+            out[CLAIM_HEADER] = _claim_text(self.claims, CLAIM_HEADER)
         return out
 
     def meta(self) -> dict[str, str]:
@@ -154,6 +162,8 @@ class Fences:
                 _check_text(value, name)
                 _check_size(value, name)  # what the server refuses is refused before it leaves
                 out[META_KEYS[name]] = value
+        if self.claims is not None:
+            out[META_KEYS[CLAIM_HEADER]] = _claim_text(self.claims, META_KEYS[CLAIM_HEADER])
         return out
 
     def _texts(self) -> tuple[tuple[str, str | None], ...]:
@@ -459,8 +469,23 @@ def _fences(values: Mapping[str, str], *, text: Any, meta: bool = False) -> Fenc
         tokens = decode_fences(values[FENCING_TOKEN_HEADER], field=name_of(FENCING_TOKEN_HEADER))
     texts = {name: text(values[name], field=name_of(name))
              for name in (IDEMPOTENCY_KEY_HEADER, AGENT_HEADER, INTENT_HEADER) if name in values}
+    claims = values.get(CLAIM_HEADER)
     return Fences(tokens=tokens, idempotency_key=texts.get(IDEMPOTENCY_KEY_HEADER),
-                  agent=texts.get(AGENT_HEADER), intent_id=texts.get(INTENT_HEADER))
+                  agent=texts.get(AGENT_HEADER), intent_id=texts.get(INTENT_HEADER),
+                  claims=None if claims is None else _claim_text(claims, name_of(CLAIM_HEADER)))
+
+
+def _claim_text(value: str, field: str) -> str:
+    """The claim field as it travels: printable ASCII within the bound (its grammar is the
+    verifier's: ``toolguard.fences.claims``)."""
+    if not isinstance(value, str) or not value.strip(_OWS):
+        msg = f"expected the signed claims, got {value!r}"[:200]
+        raise WireError(msg, field=field)
+    _check_size(value, field)
+    if not all(" " <= c <= "~" for c in value):
+        msg = "the claims are printable ASCII"
+        raise WireError(msg, field=field)
+    return value.strip(_OWS)
 
 
 def request_digest(*parts: bytes | str) -> str:
