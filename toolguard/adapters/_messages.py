@@ -168,11 +168,25 @@ def refusal_message(decision: Decision, call: Mapping[str, Any]) -> ToolMessage:
 
 def unknown_tool_message(call: Mapping[str, Any], tool_names: Iterable[str]) -> ToolMessage:
     """ToolNode's own answer to a tool it does not have (it names the valid ones)."""
-    content = INVALID_TOOL_NAME_ERROR_TEMPLATE.format(requested_tool=call.get("name"),
+    content = INVALID_TOOL_NAME_ERROR_TEMPLATE.format(requested_tool=_text(call.get("name")),
                                                       available_tools=", ".join(tool_names))
     return ToolMessage(content, name=_text(call.get("name")), tool_call_id=_text(call.get("id")),
                        status="error")
 
 
 def _text(value: Any) -> str:
-    return "" if value is None else str(value)
+    """An envelope field as a ToolMessage holds it, without ever raising.
+
+    Text is kept as sent and a number becomes its text, as ToolMessage coerces
+    it; anything else (a list, an object, an integer too long to print) is a
+    field toolguard already refused, and becomes ``""`` rather than ``str()`` of
+    a value that may be nested past the recursion limit.
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return str(value)
+        except ValueError:  # an integer past Python's digit limit for printing
+            return ""
+    return ""

@@ -1,11 +1,9 @@
-"""What a LangChain tool itself accepts: its injected parameters and its own argument check.
+"""The injected parameters of a LangChain tool, which are the host's and never the model's.
 
-The adapters need both to stay transparent. Injected parameters (``InjectedState``,
-``InjectedStore``, ``ToolRuntime``, ``InjectedToolCallId``...) are filled by the
-host, never by the model: ToolNode strips a model-supplied value for one and
-injects the trusted value, so the guard drops it too instead of refusing the call.
-And when the tool's own (lenient) schema refuses the arguments as well, the
-answer belongs to ToolNode and the tool, not to toolguard.
+Injected parameters (``InjectedState``, ``InjectedStore``, ``ToolRuntime``,
+``InjectedToolCallId``...) are filled by the host, never by the model: ToolNode
+strips a model-supplied value for one and injects the trusted value, so the
+guard drops it too instead of refusing the call.
 """
 
 from __future__ import annotations
@@ -13,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-__all__ = ["InjectedKeys", "model_arguments", "tool_refuses"]
+__all__ = ["InjectedKeys", "model_arguments"]
 
 
 class InjectedKeys:
@@ -62,33 +58,3 @@ def model_arguments(args: Any, injected: frozenset[str]) -> Any:
     if not injected or not isinstance(args, Mapping):
         return args
     return {key: value for key, value in args.items() if key not in injected}
-
-
-def tool_refuses(tool: Any, args: Any) -> bool:
-    """True if the tool's own schema (lenient, as the tool will validate) rejects ``args``.
-
-    Then the tool cannot run with them: ToolNode (or the tool's own
-    ``handle_validation_error``) answers as it always does. A schema that is
-    not a pydantic model counts as accepting: toolguard's refusal stands.
-    """
-    if not isinstance(args, Mapping):
-        return False
-    schema = getattr(tool, "tool_call_schema", None)
-    if isinstance(schema, type) and issubclass(schema, BaseModel):
-        try:
-            schema.model_validate(dict(args))
-        except ValidationError:
-            return True
-        return False
-    parse = getattr(schema, "parse_obj", None)  # a pydantic v1 model
-    if parse is None:
-        return False
-    try:
-        from pydantic.v1 import ValidationError as ValidationErrorV1
-    except ImportError:  # pragma: no cover - pydantic 2 always ships pydantic.v1
-        return False
-    try:
-        parse(dict(args))
-    except ValidationErrorV1:
-        return True
-    return False
