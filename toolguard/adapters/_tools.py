@@ -1,17 +1,30 @@
-"""The injected parameters of a LangChain tool, which are the host's and never the model's.
+"""What the adapters read off a LangChain tool: its injected parameters, and whether it is sync.
 
 Injected parameters (``InjectedState``, ``InjectedStore``, ``ToolRuntime``,
 ``InjectedToolCallId``...) are filled by the host, never by the model: ToolNode
 strips a model-supplied value for one and injects the trusted value, so the
-guard drops it too instead of refusing the call.
+guard drops it too instead of refusing the call. A sync tool (no coroutine)
+needs a guard with sync edges: ``check_tools`` says so when an adapter is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["InjectedKeys", "model_arguments"]
+from langchain_core.tools import BaseTool, StructuredTool, Tool
+
+from toolguard.adapters._worker import has_sync_edges
+from toolguard.errors import GuardMisconfigured
+
+__all__ = ["InjectedKeys", "check_tools", "model_arguments", "runs_sync"]
+
+_ASYNC_ONLY = ("{where}: {tools} {verb} sync (no coroutine), and this guard has only asyncio "
+               "locks and store (async_locks=, async_store=), so {pronoun} would run without a "
+               "sync fenced transaction. Give the guard locks= and store= as well (a sync tool "
+               "then runs its sync guarded call in a worker thread under ainvoke/astream), or "
+               "give the tool an async implementation (StructuredTool coroutine=..., using "
+               "current().atx).")
 
 
 class InjectedKeys:
@@ -58,3 +71,26 @@ def model_arguments(args: Any, injected: frozenset[str]) -> Any:
     if not injected or not isinstance(args, Mapping):
         return args
     return {key: value for key, value in args.items() if key not in injected}
+
+
+def runs_sync(tool: Any) -> bool:
+    """True if ``tool`` has no async implementation (LangChain runs its sync body in a thread)."""
+    if isinstance(tool, StructuredTool | Tool):
+        return tool.coroutine is None
+    if not isinstance(tool, BaseTool):
+        return False
+    kind = type(tool)
+    return kind._arun is BaseTool._arun and kind.ainvoke is BaseTool.ainvoke
+
+
+def check_tools(guard: Any, tools: Iterable[Any], where: str) -> None:
+    """Raise ``GuardMisconfigured`` if ``guard`` cannot run the sync ones among ``tools``."""
+    if has_sync_edges(guard):
+        return
+    names = sorted({str(getattr(tool, "name", tool)) for tool in tools if runs_sync(tool)})
+    if not names:
+        return
+    plural = len(names) > 1
+    msg = _ASYNC_ONLY.format(where=where, tools=", ".join(repr(n) for n in names),
+                             verb="are" if plural else "is", pronoun="they" if plural else "it")
+    raise GuardMisconfigured(msg)

@@ -17,7 +17,8 @@ from toolguard.adapters._messages import (
     replayed_value,
 )
 from toolguard.adapters._outcome import ToolOutcome
-from toolguard.adapters._tools import InjectedKeys, model_arguments
+from toolguard.adapters._tools import InjectedKeys, check_tools, model_arguments, runs_sync
+from toolguard.adapters._worker import has_sync_edges, in_worker
 from toolguard.adapters.identity import intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
@@ -76,6 +77,9 @@ class GuardedTool(BaseTool):
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None,
                       **kwargs: Any) -> Any:
+        if runs_sync(self.inner) and has_sync_edges(self.guard):
+            # A sync tool: its sync guarded call, in a worker thread (current().tx as on invoke).
+            return await in_worker(lambda: self.invoke(input, config, **kwargs))
         intent, call = self._intent(input, config)
         outcome = ToolOutcome(_call_id(call))
 
@@ -127,8 +131,11 @@ def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None,
     ``extras`` (provider options ``bind_tools`` sends), ``tags``, ``metadata``
     and the rest, whatever this langchain-core version has. The copy's own
     fields only say how to guard; ``metadata=False`` leaves the answers
-    without the decision.
+    without the decision. A sync ``tool`` (no coroutine) needs a guard with
+    ``locks=`` and ``store=`` (its ``ainvoke`` runs the sync guarded call in a
+    worker thread): with only asyncio edges this raises ``GuardMisconfigured``.
     """
+    check_tools(guard, [tool], "guard_tool")
     guard.register(tool.name, tool)
     own = {name: getattr(tool, name) for name in BaseTool.model_fields}
     return GuardedTool(**own, inner=tool, guard=guard, agent=agent, decision_metadata=metadata)

@@ -16,7 +16,8 @@ released, so resuming re-runs the call and the idempotency record answers it).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from langchain.agents.middleware import AgentMiddleware
@@ -32,7 +33,8 @@ from toolguard.adapters._messages import (
     unknown_tool_message,
 )
 from toolguard.adapters._outcome import ToolOutcome
-from toolguard.adapters._tools import InjectedKeys, model_arguments
+from toolguard.adapters._tools import InjectedKeys, check_tools, model_arguments, runs_sync
+from toolguard.adapters._worker import has_sync_edges, in_worker, worker_execute
 from toolguard.adapters.identity import agent_from_metadata, intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
@@ -55,6 +57,13 @@ class GuardedToolCalls:
     ``agents:`` says. ``metadata=False`` leaves the tool's answers without
     ``response_metadata["toolguard"]``.
 
+    Under ``ainvoke``/``astream`` a sync tool (no coroutine) runs its sync
+    guarded call in a worker thread when the guard has ``locks=`` and
+    ``store=`` (``toolguard.adapters._worker``); a guard with only asyncio
+    edges cannot run one. ``tools=`` (the ToolNode's tools) checks that when
+    the wrapper is built and raises ``GuardMisconfigured`` naming the sync
+    tools; without it, the first such call raises it.
+
     Put it innermost (directly around ToolNode's ``execute``, i.e. last in a
     ``create_agent`` middleware list): then it guards every tool that really
     runs, including one an interceptor above it substitutes, and a retry above
@@ -62,7 +71,9 @@ class GuardedToolCalls:
     """
 
     def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
-                 metadata: bool = True) -> None:
+                 metadata: bool = True, tools: Iterable[Any] | None = None) -> None:
+        if tools is not None:
+            check_tools(guard, tools, type(self).__name__)
         self.guard = guard
         self.metadata = metadata
         self._agent = agent if callable(agent) else (lambda _r: agent) \
@@ -91,6 +102,12 @@ class GuardedToolCalls:
 
     async def awrap_tool_call(self, request: ToolCallRequest,
                               execute: Callable[[ToolCallRequest], Awaitable[Output]]) -> Output:
+        if runs_sync(request.tool):
+            if not has_sync_edges(self.guard):
+                check_tools(self.guard, _node_tools(request) or [request.tool], "ToolNode")
+            loop = asyncio.get_running_loop()  # the sync guarded call, in a worker thread
+            return await in_worker(
+                lambda: self.wrap_tool_call(request, worker_execute(execute, loop)))
         intent = self._intent(request)
         outcome = ToolOutcome(_call_id(_envelope(request)))
 
@@ -143,23 +160,29 @@ def _call_id(call: Mapping[str, Any]) -> str | None:
     return call_id if isinstance(call_id, str) else None
 
 
+def _node_tools(request: ToolCallRequest) -> list[Any]:
+    return list(getattr(request.runtime, "tools", None) or [])
+
+
 def _tool_names(request: ToolCallRequest) -> list[str]:
-    tools = getattr(request.runtime, "tools", None) or []
-    return [str(getattr(tool, "name", tool)) for tool in tools]
+    return [str(getattr(tool, "name", tool)) for tool in _node_tools(request)]
 
 
 class ToolGuardMiddleware(AgentMiddleware):
     """``create_agent`` middleware guarding every tool call (sync and async).
 
-    ``agent`` as for ``GuardedToolCalls``. The first middleware listed is the
-    outermost: list toolguard last among
-    the tool-call middlewares (after human approval and tool retry), so it
-    sits directly around the tool's execution.
+    ``agent``, ``metadata`` and ``tools`` (the agent's tools, checked against
+    the guard's edges now) as for ``GuardedToolCalls``. The first middleware
+    listed is the outermost: list toolguard last among the tool-call
+    middlewares (after human approval and tool retry), so it sits directly
+    around the tool's execution.
     """
 
     def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
-                 metadata: bool = True) -> None:
+                 metadata: bool = True, tools: Iterable[Any] | None = None) -> None:
         super().__init__()
+        if tools is not None:
+            check_tools(guard, tools, type(self).__name__)
         self.calls = GuardedToolCalls(guard, agent=agent, metadata=metadata)
 
     def wrap_tool_call(self, request: ToolCallRequest,
