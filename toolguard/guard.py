@@ -344,6 +344,7 @@ class ToolGuard:
                    interrupt: Interrupt | None = None) -> Decision:
         """The asyncio twin of ``run``; ``execute`` is a coroutine function."""
         state = _Call(intent, self.policy)
+        decided: Decision | None = None  # reached and audited: a later cancellation changes nothing
         with telemetry.start_call(intent, state.policy.tools) as call:
             try:
                 locks, store = self._async_edges()
@@ -364,7 +365,8 @@ class ToolGuard:
                                          store=store)
                 await self._aaudit_entry(state.shadow_entry(), call)
                 async with aheld(admission) as done:
-                    decision = await self._aexecute(state, prepared, execute, call, locks, store)
+                    decision = decided = await self._aexecute(state, prepared, execute, call,
+                                                              locks, store)
                     done.applied = decision.ok
                 return decision
             except BaseException as error:
@@ -372,7 +374,8 @@ class ToolGuard:
                     call.decided(self._refusal(state, _pending()))
                     raise
                 if is_control_flow(error):
-                    await asyncio.shield(self._arecord_unknown(state, error, call))
+                    if decided is None:  # cancelled while finishing the quota: already decided
+                        await asyncio.shield(self._arecord_unknown(state, error, call))
                     raise
                 if not isinstance(error, Exception):
                     raise

@@ -8,6 +8,7 @@ four, so an accepted write, a stale token and a crash are audited identically.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -881,9 +882,14 @@ def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
 async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
                        source: FenceSource, intent: IntentRecord | None,
                        detail: str | None) -> AsyncIterator[AsyncFencedTransaction]:
-    """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``."""
+    """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``.
+
+    A commit, once sent, runs to its end: a cancellation that arrives meanwhile
+    is raised after it, marked audited when the commit wrote the call's row.
+    """
     plan = FencePlan.build(source, intent, detail)
     committing = False
+    cancelled_after_commit: asyncio.CancelledError | None = None
     async with session as s:
         try:
             if plan.problem is not None:
@@ -892,7 +898,8 @@ async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
             yield tx
             require_held(plan.lease)
             committing = True
-            await s.finish(tx, plan.entry("accepted", "applied", tx.detail))
+            cancelled_after_commit = await _to_the_end(
+                s.finish(tx, plan.entry("accepted", "applied", tx.detail)))
         except BaseException as raised:
             error = await s.abort(raised)
             if not committing:
@@ -906,6 +913,28 @@ async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
                 log.warning("could not audit a failed fenced write (%s): %s", entry.reason,
                             audit_error)
             _raise(error, raised)
+    if cancelled_after_commit is not None:  # committed and audited: the caller still stops
+        mark_audited(cancelled_after_commit)
+        raise cancelled_after_commit
+
+
+async def _to_the_end(work: Awaitable[None]) -> asyncio.CancelledError | None:
+    """Await ``work`` to its end whatever cancellation arrives meanwhile; the first one, if any.
+
+    Used for the commit: the database may apply it whether or not the caller
+    still waits, so the caller learns how it ended before it stops.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as error:
+            if task.cancelled():  # the commit itself was cancelled (the loop is shutting down)
+                raise
+            cancelled = cancelled or error
+            continue
+        return cancelled
 
 
 # --- audit queries -----------------------------------------------------------------------

@@ -67,6 +67,7 @@ from toolguard.store.base import (
     FencedTransaction,
     GuardedStore,
     IntentRecord,
+    mark_audited,
 )
 
 if TYPE_CHECKING:
@@ -330,14 +331,17 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
         lease = await probe.aacquire(
             lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s), ordered, attempt)
         held_since = time.monotonic()
+        decided = False  # the call's outcome (applied, or a replay) and its audit row are written
         try:
             with probe.transaction(lease, attempt):
                 async with store.fenced(lease, intent) as tx:
                     value = await body(tx)
                     if not tx.recorded:
                         tx.record(value)
+            decided = True
             return Outcome(tx.result, tokens=dict(lease.tokens), reseeded=attempt > 1)
         except DuplicateIntent as duplicate:
+            decided = True
             probe.replayed()
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
@@ -348,7 +352,13 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
                 raise
             recovery = _Recovery.of(lease, stale)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(lease.arelease())
-            probe.released(held_since)
+            try:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(lease.arelease())
+            except asyncio.CancelledError as cancelled:
+                if decided:  # cancelled while releasing: the outcome is known and audited
+                    mark_audited(cancelled)
+                raise
+            finally:
+                probe.released(held_since)
     raise AssertionError("unreachable")  # pragma: no cover
