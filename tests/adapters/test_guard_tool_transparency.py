@@ -68,20 +68,28 @@ def test_the_tools_own_error_answer_comes_out_unchanged(guarded, mode: str) -> N
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_arguments_the_tool_refuses_too_fail_as_the_tool_fails(guarded, mode: str) -> None:
+def test_arguments_the_tool_refuses_too_get_toolguards_answer(guarded, mode: str) -> None:
+    """Plain, the tool raises its ValidationError; guarded, the refused call never reaches it."""
     g = guarded(read_only("add"))
+    runs: list[int] = []
 
     @tool
     def add(a: int, b: int) -> int:
         """Add two numbers."""
+        runs.append(a)
         return a + b
 
     with pytest.raises(ValidationError):
         invoke(add, mode, tool_call("add", {"a": "x", "b": 1}))
-    with pytest.raises(ValidationError):
-        invoke(guard_tool(g.guard, add, agent="t"), mode, tool_call("add", {"a": "x", "b": 1}))
+    guarded_add = guard_tool(g.guard, add, agent="t")
+    message = invoke(guarded_add, mode, tool_call("add", {"a": "x", "b": 1}))
+    assert isinstance(message, ToolMessage) and message.status == "error"
+    assert message.content.startswith("rejected by toolguard (invalid_arguments): args.a")
+    with pytest.raises(ToolException, match="invalid_arguments"):
+        invoke(guarded_add, mode, {"a": "x", "b": 1})
 
-    assert g.decisions("c1") == [("rejected", "invalid_arguments")]
+    assert g.decisions() == [("rejected", "invalid_arguments")] * 2
+    assert runs == []
 
 
 @pytest.mark.parametrize("mode", MODES)

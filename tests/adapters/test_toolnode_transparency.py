@@ -237,33 +237,32 @@ def counted_add(runs: list[tuple[Any, Any]]) -> Any:
     return add
 
 
+@pytest.mark.parametrize("handle_tool_errors", [True, False])
 @pytest.mark.parametrize("mode", MODES)
-def test_arguments_the_tool_refuses_too_get_toolnodes_answer(guarded, mode: str) -> None:
+def test_arguments_the_tool_refuses_too_get_toolguards_answer(guarded, mode: str,
+                                                             handle_tool_errors: bool) -> None:
+    """A refused call never reaches ToolNode's execute, even when the tool would refuse it too.
+
+    Plain, ToolNode answers ``Error invoking tool ...`` (or raises ``ToolInvocationError``
+    with ``handle_tool_errors=False``); guarded, toolguard answers, whatever the setting.
+    """
     g = guarded(read_only("add"))
     runs: list[tuple[Any, Any]] = []
     inputs = ai(tool_call("add", {"a": "x", "b": 1}))
-    plain = run(one_node(ToolNode([counted_add(runs)])), mode, inputs)
-    out = run(one_node(guarded_node(g.guard, [counted_add(runs)])), mode, inputs)
+    if handle_tool_errors:
+        plain = run(one_node(ToolNode([counted_add(runs)])), mode, inputs)
+        assert answers(plain)["c1"].content.startswith("Error invoking tool 'add'")
+    else:
+        with pytest.raises(ToolInvocationError):
+            run(one_node(ToolNode([counted_add(runs)], handle_tool_errors=False)), mode, inputs)
+
+    out = run(one_node(guarded_node(g.guard, [counted_add(runs)],
+                                    handle_tool_errors=handle_tool_errors)), mode, inputs)
 
     message = answers(out)["c1"]
-    assert bare(message) == bare(answers(plain)["c1"])
-    assert message.content.startswith("Error invoking tool 'add' with kwargs {'a': 'x', 'b': 1}")
+    assert message.status == "error"
+    assert message.content.startswith("rejected by toolguard (invalid_arguments): args.a")
     assert decision_of(message) == ("rejected", "invalid_arguments")
-    assert g.decisions("c1") == [("rejected", "invalid_arguments")]
-    assert runs == []
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_with_handle_tool_errors_false_refused_arguments_raise_as_toolnode_raises(guarded,
-                                                                                  mode: str) -> None:
-    g = guarded(read_only("add"))
-    runs: list[tuple[Any, Any]] = []
-    app = one_node(guarded_node(g.guard, [counted_add(runs)], handle_tool_errors=False))
-
-    with pytest.raises(ToolInvocationError) as caught:
-        run(app, mode, ai(tool_call("add", {"a": "x", "b": 1})))
-
-    assert caught.value.tool_name == "add"
     assert g.decisions("c1") == [("rejected", "invalid_arguments")]
     assert runs == []
 

@@ -151,18 +151,19 @@ def spy_grants(h: Harness, granted: dict[str, threading.Event]) -> None:
 
 
 REJECTED_CALLS = [
-    # (tool, args, call id, reason audited, who words the answer). Arguments that
-    # the tool's own schema refuses too get ToolNode's own answer.
+    # (tool, args, call id, reason audited, who words the answer). A call toolguard refuses
+    # never reaches ToolNode, also when the tool's own schema would refuse it too; a tool
+    # neither the policy nor the ToolNode has gets ToolNode's own wording of that refusal.
     ("reassign_lead", {"lead_id": "a", "owner": "mallory"}, "c-denied", "not_authorized",
      "toolguard"),
     ("add_score", {"lead_id": "a", "delta": "7"}, "c-type", "invalid_arguments", "toolguard"),
     ("add_score", {"lead_id": "a", "delta": 1, "admin": True}, "c-extra", "invalid_arguments",
      "toolguard"),
     ("add_score", {"lead_id": "a", "delta": 1000}, "c-range", "invalid_arguments", "toolguard"),
-    ("add_score", {"lead_id": "a"}, "c-missing", "invalid_arguments", "toolnode"),
+    ("add_score", {"lead_id": "a"}, "c-missing", "invalid_arguments", "toolguard"),
     ("add_score", {"lead_id": {"$ne": None}, "delta": 1}, "c-object", "invalid_arguments",
-     "toolnode"),
-    ("add_score", {"lead_id": "a", "delta": 1.5}, "c-float", "invalid_arguments", "toolnode"),
+     "toolguard"),
+    ("add_score", {"lead_id": "a", "delta": 1.5}, "c-float", "invalid_arguments", "toolguard"),
     ("drop_tables", {"confirm": True}, "c-unknown", "unknown_tool", "toolnode"),
 ]
 

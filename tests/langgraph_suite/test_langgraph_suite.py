@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 
 from langgraph_suite import differences, suite
-from langgraph_suite.differences import ANY_WRAPPER, OUTSIDE_POLICY, OUTSIDE_POLICY_BELOW
+from langgraph_suite.differences import (
+    ANY_WRAPPER,
+    NO_WORKFLOW_IDENTITY,
+    OUTSIDE_POLICY,
+    OUTSIDE_POLICY_BELOW,
+    TOOLGUARD_ANSWERS,
+)
 
 pytestmark = [pytest.mark.langgraph_suite, pytest.mark.slow]
 
@@ -101,7 +107,8 @@ def test_any_wrapper_differences_are_langgraphs_own(results: suite.Results) -> N
 def test_without_its_deliberate_differences_toolguard_is_a_no_op_wrapper(
         results: suite.Results, composition: str) -> None:
     """Metadata off and unknown tools allowed: the same outcomes as the no-op wrapper, apart
-    from the calls that have no workflow identity to make an unfenced call exactly-once."""
+    from the calls that have no workflow identity to make an unfenced call exactly-once and
+    the calls toolguard refuses (which it answers itself, whatever the settings)."""
     plain, bare = results.runs["plain"], results.runs[f"bare-{composition}"]
     documented = differences.expected(composition, ANY_WRAPPER) | differences.expected_bare(
         composition)
@@ -113,7 +120,7 @@ def test_without_its_deliberate_differences_toolguard_is_a_no_op_wrapper(
 def test_bare_differences_are_unfenced_calls_without_a_workflow_identity(
         runs: dict[str, suite.Run], composition: str) -> None:
     bare = runs[f"bare-{composition}"]
-    listed = differences.expected_bare(composition)
+    listed = differences.expected_bare(composition, NO_WORKFLOW_IDENTITY)
     assert listed
     for test in sorted(listed):
         decisions = bare.tests[test]["decisions"]
@@ -130,6 +137,19 @@ def test_outside_policy_differences_are_unknown_tool_refusals(runs: dict[str, su
     for test in sorted(listed):
         decisions = guarded.tests[test]["decisions"]
         assert "rejected/unknown_tool" in decisions, (test, decisions)
+
+
+@pytest.mark.parametrize("variant", GUARDED)
+def test_toolguard_answers_differences_are_invalid_arguments_it_refused(
+        runs: dict[str, suite.Run], variant: str) -> None:
+    """The calls toolguard now answers itself were refused as invalid arguments, in every run."""
+    composition = variant.removeprefix("bare-")
+    listed = (differences.expected_bare(composition, TOOLGUARD_ANSWERS) if variant.startswith(
+        "bare-") else differences.expected(composition, TOOLGUARD_ANSWERS))
+    assert listed
+    for test in sorted(listed):
+        decisions = runs[variant].tests[test]["decisions"]
+        assert "rejected/invalid_arguments" in decisions, (test, decisions)
 
 
 @pytest.mark.parametrize("variant", GUARDED)

@@ -1,21 +1,30 @@
-"""What a LangChain tool itself accepts: its injected parameters and its own argument check.
+"""What the adapters read off a LangChain tool: its injected parameters, and whether it is sync.
 
-The adapters need both to stay transparent. Injected parameters (``InjectedState``,
-``InjectedStore``, ``ToolRuntime``, ``InjectedToolCallId``...) are filled by the
-host, never by the model: ToolNode strips a model-supplied value for one and
-injects the trusted value, so the guard drops it too instead of refusing the call.
-And when the tool's own (lenient) schema refuses the arguments as well, the
-answer belongs to ToolNode and the tool, not to toolguard.
+Injected parameters (``InjectedState``, ``InjectedStore``, ``ToolRuntime``,
+``InjectedToolCallId``...) are filled by the host, never by the model: ToolNode
+strips a model-supplied value for one and injects the trusted value, so the
+guard drops it too instead of refusing the call. A sync tool (no coroutine)
+needs a guard with sync edges: ``check_tools`` says so when an adapter is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from langchain_core.tools import BaseTool, StructuredTool, Tool
 
-__all__ = ["InjectedKeys", "model_arguments", "tool_refuses"]
+from toolguard.adapters._worker import has_sync_edges
+from toolguard.errors import GuardMisconfigured
+
+__all__ = ["InjectedKeys", "check_tools", "model_arguments", "runs_sync"]
+
+_ASYNC_ONLY = ("{where}: {tools} {verb} sync (no coroutine), and this guard has only asyncio "
+               "locks and store (async_locks=, async_store=), so {pronoun} would run without a "
+               "sync fenced transaction. Give the guard locks= and store= as well (a sync tool "
+               "then runs its sync guarded call in a worker thread under ainvoke/astream), or "
+               "give the tool an async implementation (StructuredTool coroutine=..., using "
+               "current().atx).")
 
 
 class InjectedKeys:
@@ -64,31 +73,24 @@ def model_arguments(args: Any, injected: frozenset[str]) -> Any:
     return {key: value for key, value in args.items() if key not in injected}
 
 
-def tool_refuses(tool: Any, args: Any) -> bool:
-    """True if the tool's own schema (lenient, as the tool will validate) rejects ``args``.
+def runs_sync(tool: Any) -> bool:
+    """True if ``tool`` has no async implementation (LangChain runs its sync body in a thread)."""
+    if isinstance(tool, StructuredTool | Tool):
+        return tool.coroutine is None
+    if not isinstance(tool, BaseTool):
+        return False
+    kind = type(tool)
+    return kind._arun is BaseTool._arun and kind.ainvoke is BaseTool.ainvoke
 
-    Then the tool cannot run with them: ToolNode (or the tool's own
-    ``handle_validation_error``) answers as it always does. A schema that is
-    not a pydantic model counts as accepting: toolguard's refusal stands.
-    """
-    if not isinstance(args, Mapping):
-        return False
-    schema = getattr(tool, "tool_call_schema", None)
-    if isinstance(schema, type) and issubclass(schema, BaseModel):
-        try:
-            schema.model_validate(dict(args))
-        except ValidationError:
-            return True
-        return False
-    parse = getattr(schema, "parse_obj", None)  # a pydantic v1 model
-    if parse is None:
-        return False
-    try:
-        from pydantic.v1 import ValidationError as ValidationErrorV1
-    except ImportError:  # pragma: no cover - pydantic 2 always ships pydantic.v1
-        return False
-    try:
-        parse(dict(args))
-    except ValidationErrorV1:
-        return True
-    return False
+
+def check_tools(guard: Any, tools: Iterable[Any], where: str) -> None:
+    """Raise ``GuardMisconfigured`` if ``guard`` cannot run the sync ones among ``tools``."""
+    if has_sync_edges(guard):
+        return
+    names = sorted({str(getattr(tool, "name", tool)) for tool in tools if runs_sync(tool)})
+    if not names:
+        return
+    plural = len(names) > 1
+    msg = _ASYNC_ONLY.format(where=where, tools=", ".join(repr(n) for n in names),
+                             verb="are" if plural else "is", pronoun="they" if plural else "it")
+    raise GuardMisconfigured(msg)

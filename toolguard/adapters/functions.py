@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Generic, ParamSpec, Self, TypeVar, cast, overload
 
+from toolguard.adapters._worker import has_sync_edges, in_worker
 from toolguard.context import CallContext
 from toolguard.envelope import untrusted_intent
 from toolguard.errors import GuardMisconfigured, UnknownToolWarning
@@ -53,6 +54,12 @@ class GuardedFunction(Generic[P, R]):
         self.name = name
         self.agent = agent
         self.is_async = inspect.iscoroutinefunction(function)
+        if not self.is_async and not has_sync_edges(guard):
+            msg = (f"{name} is a sync function, and this guard has only asyncio locks and store "
+                   f"(async_locks=, async_store=): it would run without a sync fenced "
+                   f"transaction. Give the guard locks= and store= as well (arun() then runs "
+                   f"it in a worker thread), or make {name} an async def using current().atx")
+            raise GuardMisconfigured(msg)
         self._signature = inspect.signature(function)
         #: True once it is a class attribute: its first parameter is then the instance.
         self._method = False
@@ -123,17 +130,19 @@ class GuardedFunction(Generic[P, R]):
     async def arun(self, args: Mapping[str, Any], *, agent: str | None = None,
                    call_id: str | None = None, thread_id: str | None = None,
                    run_id: str | None = None, node_attempt: int = 1) -> Decision:
-        """The asyncio twin of ``run`` (a sync function runs on the loop: keep it short)."""
+        """The asyncio twin of ``run``.
+
+        A sync function runs its sync guarded call (``current().tx``) in a
+        worker thread, so it never blocks the event loop.
+        """
         self._check_bound()
+        if not self.is_async:
+            return await in_worker(lambda: self.run(args, agent=agent, call_id=call_id,
+                                                    thread_id=thread_id, run_id=run_id,
+                                                    node_attempt=node_attempt))
         intent = self.intent(args, agent=agent, call_id=call_id, thread_id=thread_id,
                              run_id=run_id, node_attempt=node_attempt)
-        if self.is_async:
-            return await self.guard.arun(intent, self._aexecute)
-
-        async def execute(ctx: CallContext) -> Any:
-            return self._execute(ctx)
-
-        return await self.guard.arun(intent, execute)
+        return await self.guard.arun(intent, self._aexecute)
 
     def _check_bound(self) -> None:
         if self._method:

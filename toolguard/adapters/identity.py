@@ -48,13 +48,20 @@ def intent_from_call(call: Any, *, agent: Any, runtime: Any = None, config: Any 
     if thread_id is None and run_id is None and isinstance(checkpoint_id, str) and checkpoint_id:
         run_id = f"step:{checkpoint_id}"
     attempt = getattr(info, "node_attempt", 1)
-    return untrusted_intent(
-        tool=fields.get("name"), args=fields.get("args", {}), call_id=fields.get("id"),
+    args = fields.get("args")
+    intent = untrusted_intent(
+        tool=fields.get("name"), args=args, call_id=fields.get("id"),
         agent=agent, thread_id=thread_id, run_id=run_id,
         checkpoint_ns=_first(getattr(info, "checkpoint_ns", None),
                              configurable.get("checkpoint_ns")),
         checkpoint_id=checkpoint_id, node_attempt=1 if attempt is None else attempt,
         origin=origin, expected_tool=expected_tool)
+    if args is None and origin == "model":
+        # A model's call always carries its arguments as an object ({} for none): one
+        # without them ("args": null, or no "args") is refused as invalid arguments,
+        # never read as {} and run (ToolNode itself could not run it either).
+        intent = intent.model_copy(update={"args": None})
+    return intent
 
 
 def _execution_info(runtime: Any, configurable: Mapping[str, Any]) -> Any:

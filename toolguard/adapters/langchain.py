@@ -17,7 +17,8 @@ from toolguard.adapters._messages import (
     replayed_value,
 )
 from toolguard.adapters._outcome import ToolOutcome
-from toolguard.adapters._tools import InjectedKeys, model_arguments, tool_refuses
+from toolguard.adapters._tools import InjectedKeys, check_tools, model_arguments, runs_sync
+from toolguard.adapters._worker import has_sync_edges, in_worker
 from toolguard.adapters.identity import intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
@@ -33,11 +34,11 @@ class GuardedTool(BaseTool):
     it answers as ``inner`` does, with the decision under
     ``response_metadata["toolguard"]``; a refusal is an error ``ToolMessage``
     naming the reason. Invoked with plain arguments it returns the tool's
-    output, or raises ``ToolException`` naming the reason of a refusal.
-    Whatever ``inner`` raises (a tool error its ``handle_tool_error`` does not
-    handle, invalid arguments its own schema refuses) is recorded as failed
-    and raised unchanged. The agent identity is ``agent``, else the run's
-    metadata ``toolguard_agent``.
+    output, or raises ``ToolException`` naming the reason of a refusal. A
+    refused call never reaches ``inner``, whatever it holds. Whatever ``inner``
+    raises on a call toolguard accepted (a tool error its ``handle_tool_error``
+    does not handle) is recorded as failed and raised unchanged. The agent
+    identity is ``agent``, else the run's metadata ``toolguard_agent``.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -60,7 +61,7 @@ class GuardedTool(BaseTool):
         call = tool_input if is_call else {"name": self.name, "args": tool_input, "id": None}
         # ToolNode passes the values it injected (state, store, runtime) in the call's
         # args: they are the host's, not the model's, and never part of the intent.
-        args = model_arguments(call.get("args", {}), self._injected.of(self.inner))
+        args = model_arguments(call.get("args"), self._injected.of(self.inner))
         agent = self.agent or (config.get("metadata") or {}).get("toolguard_agent")
         intent = intent_from_call({**call, "args": args}, agent=agent, config=config,
                                   origin="model" if is_call else "python", expected_tool=self.name)
@@ -72,13 +73,13 @@ class GuardedTool(BaseTool):
         decision = self.guard.run(intent, lambda ctx: outcome.run(
             lambda: self.inner.invoke(_as_approved(input, ctx), config, **kwargs)),
             interrupt=graph_interrupt(config))
-        answer = self._answer(decision, input, call, intent, outcome)
-        if answer is _DELEGATE:
-            answer = self.inner.invoke(input, config, **kwargs)
-        return self._annotated(answer, call, decision)
+        return self._annotated(self._answer(decision, input, call, outcome), call, decision)
 
     async def ainvoke(self, input: Any, config: RunnableConfig | None = None,
                       **kwargs: Any) -> Any:
+        if runs_sync(self.inner) and has_sync_edges(self.guard):
+            # A sync tool: its sync guarded call, in a worker thread (current().tx as on invoke).
+            return await in_worker(lambda: self.invoke(input, config, **kwargs))
         intent, call = self._intent(input, config)
         outcome = ToolOutcome(_call_id(call))
 
@@ -87,21 +88,16 @@ class GuardedTool(BaseTool):
                                                                  **kwargs))
 
         decision = await self.guard.arun(intent, run_tool, interrupt=graph_interrupt(config))
-        answer = self._answer(decision, input, call, intent, outcome)
-        if answer is _DELEGATE:
-            answer = await self.inner.ainvoke(input, config, **kwargs)
-        return self._annotated(answer, call, decision)
+        return self._annotated(self._answer(decision, input, call, outcome), call, decision)
 
-    def _answer(self, decision: Decision, tool_input: Any, call: dict[str, Any], intent: Intent,
+    def _answer(self, decision: Decision, tool_input: Any, call: dict[str, Any],
                 outcome: ToolOutcome) -> Any:
-        """The tool's own answer, toolguard's, or ``_DELEGATE`` (pure: no I/O)."""
+        """The tool's own answer or toolguard's (pure: no I/O); a refused call never reaches it."""
         if outcome.passes_on(decision):
             return outcome.output
         is_call = isinstance(tool_input, dict) and tool_input.get("type") == "tool_call"
         if decision.ok:
             return replayed_message(decision, call) if is_call else replayed_value(decision, call)
-        if decision.reason == "invalid_arguments" and tool_refuses(self.inner, intent.args):
-            return _DELEGATE
         if is_call:
             return refusal_message(decision, call)
         raise ToolException(decision.model_text()) from decision.error
@@ -110,11 +106,6 @@ class GuardedTool(BaseTool):
         if not self.decision_metadata or not isinstance(output, ToolMessage):
             return output
         return annotate(output, _call_id(call), decision)
-
-
-#: "Let the tool answer": its own schema refuses the arguments too, so it raises
-#: its ``ValidationError`` (or answers through ``handle_validation_error``) as always.
-_DELEGATE: Any = object()
 
 
 def _as_approved(tool_input: Any, ctx: CallContext) -> Any:
@@ -140,8 +131,11 @@ def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None,
     ``extras`` (provider options ``bind_tools`` sends), ``tags``, ``metadata``
     and the rest, whatever this langchain-core version has. The copy's own
     fields only say how to guard; ``metadata=False`` leaves the answers
-    without the decision.
+    without the decision. A sync ``tool`` (no coroutine) needs a guard with
+    ``locks=`` and ``store=`` (its ``ainvoke`` runs the sync guarded call in a
+    worker thread): with only asyncio edges this raises ``GuardMisconfigured``.
     """
+    check_tools(guard, [tool], "guard_tool")
     guard.register(tool.name, tool)
     own = {name: getattr(tool, name) for name in BaseTool.model_fields}
     return GuardedTool(**own, inner=tool, guard=guard, agent=agent, decision_metadata=metadata)

@@ -5,7 +5,8 @@
 or ``create_agent(model, tools, middleware=[..., ToolGuardMiddleware(guard, agent="router")])``.
 
 The wrapper is transparent: it changes what a ToolNode does only by refusing a
-call (an error ToolMessage naming the reason, audited) and by serializing and
+call (an error ToolMessage naming the reason, audited; a refused call never
+reaches ToolNode's ``execute``, whatever it holds) and by serializing and
 fencing the calls it accepts. Everything else comes out as ToolNode made it:
 the exceptions it lets through (after the failure is recorded), the messages
 ``handle_tool_errors`` builds, ``Command`` and list returns, injection,
@@ -15,7 +16,8 @@ released, so resuming re-runs the call and the idempotency record answers it).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from langchain.agents.middleware import AgentMiddleware
@@ -31,7 +33,8 @@ from toolguard.adapters._messages import (
     unknown_tool_message,
 )
 from toolguard.adapters._outcome import ToolOutcome
-from toolguard.adapters._tools import InjectedKeys, model_arguments, tool_refuses
+from toolguard.adapters._tools import InjectedKeys, check_tools, model_arguments, runs_sync
+from toolguard.adapters._worker import has_sync_edges, in_worker, worker_execute
 from toolguard.adapters.identity import agent_from_metadata, intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
@@ -54,6 +57,13 @@ class GuardedToolCalls:
     ``agents:`` says. ``metadata=False`` leaves the tool's answers without
     ``response_metadata["toolguard"]``.
 
+    Under ``ainvoke``/``astream`` a sync tool (no coroutine) runs its sync
+    guarded call in a worker thread when the guard has ``locks=`` and
+    ``store=`` (``toolguard.adapters._worker``); a guard with only asyncio
+    edges cannot run one. ``tools=`` (the ToolNode's tools) checks that when
+    the wrapper is built and raises ``GuardMisconfigured`` naming the sync
+    tools; without it, the first such call raises it.
+
     Put it innermost (directly around ToolNode's ``execute``, i.e. last in a
     ``create_agent`` middleware list): then it guards every tool that really
     runs, including one an interceptor above it substitutes, and a retry above
@@ -61,7 +71,9 @@ class GuardedToolCalls:
     """
 
     def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
-                 metadata: bool = True) -> None:
+                 metadata: bool = True, tools: Iterable[Any] | None = None) -> None:
+        if tools is not None:
+            check_tools(guard, tools, type(self).__name__)
         self.guard = guard
         self.metadata = metadata
         self._agent = agent if callable(agent) else (lambda _r: agent) \
@@ -69,8 +81,8 @@ class GuardedToolCalls:
         self._injected = InjectedKeys()
 
     def _intent(self, request: ToolCallRequest) -> Intent:
-        tool, call = request.tool, request.tool_call
-        args = call.get("args", {})
+        tool, call = request.tool, _envelope(request)
+        args = call.get("args")
         if tool is not None:
             if not self.guard.has_schema(tool.name):
                 self.guard.register(tool.name, tool)
@@ -82,41 +94,44 @@ class GuardedToolCalls:
     def wrap_tool_call(self, request: ToolCallRequest,
                        execute: Callable[[ToolCallRequest], Output]) -> Output:
         intent = self._intent(request)
-        outcome = ToolOutcome(_call_id(request))
+        outcome = ToolOutcome(_call_id(_envelope(request)))
         decision = self.guard.run(
             intent, lambda ctx: outcome.run(lambda: execute(_as_approved(request, ctx))),
             interrupt=graph_interrupt())
-        answer = self._answer(decision, request, intent, outcome)
-        return self._annotated(execute(request) if answer is _DELEGATE else answer, outcome, decision)
+        return self._annotated(self._answer(decision, request, outcome), outcome, decision)
 
     async def awrap_tool_call(self, request: ToolCallRequest,
                               execute: Callable[[ToolCallRequest], Awaitable[Output]]) -> Output:
+        if runs_sync(request.tool):
+            if not has_sync_edges(self.guard):
+                check_tools(self.guard, _node_tools(request) or [request.tool], "ToolNode")
+            loop = asyncio.get_running_loop()  # the sync guarded call, in a worker thread
+            return await in_worker(
+                lambda: self.wrap_tool_call(request, worker_execute(execute, loop)))
         intent = self._intent(request)
-        outcome = ToolOutcome(_call_id(request))
+        outcome = ToolOutcome(_call_id(_envelope(request)))
 
         async def run_tool(ctx: CallContext) -> Any:
             return await outcome.arun(lambda: execute(_as_approved(request, ctx)))
 
         decision = await self.guard.arun(intent, run_tool, interrupt=graph_interrupt())
-        answer = self._answer(decision, request, intent, outcome)
-        if answer is _DELEGATE:
-            answer = await execute(request)
-        return self._annotated(answer, outcome, decision)
+        return self._annotated(self._answer(decision, request, outcome), outcome, decision)
 
     @staticmethod
-    def _answer(decision: Decision, request: ToolCallRequest, intent: Intent,
-                outcome: ToolOutcome) -> Any:
-        """The tool's own answer, toolguard's, or ``_DELEGATE`` (pure: no I/O)."""
+    def _answer(decision: Decision, request: ToolCallRequest, outcome: ToolOutcome) -> Any:
+        """The tool's own answer or toolguard's (pure: no I/O).
+
+        A call toolguard refused never goes on to ToolNode's ``execute``: whatever the
+        call holds (arguments the tool's own schema would refuse as well, ``None`` or
+        missing arguments, values nested past any limit), toolguard answers it.
+        """
         if outcome.passes_on(decision):
             return outcome.output
-        call, tool = request.tool_call, request.tool
+        call, tool = _envelope(request), request.tool
         if decision.ok:
             return replayed_message(decision, call)
         if decision.reason == "unknown_tool" and tool is None:
             return unknown_tool_message(call, _tool_names(request))
-        if decision.reason == "invalid_arguments" and tool is not None \
-                and tool_refuses(tool, intent.args):
-            return _DELEGATE
         return refusal_message(decision, call)
 
     def _annotated(self, output: Output, outcome: ToolOutcome, decision: Decision) -> Output:
@@ -124,11 +139,6 @@ class GuardedToolCalls:
             return output
         annotated: Output = annotate(output, outcome.call_id, decision)
         return annotated
-
-
-#: "Let ToolNode answer": the tool's own validation refuses the arguments too, so it
-#: cannot run, and ToolNode says what it always says (or raises ToolInvocationError).
-_DELEGATE: Any = object()
 
 
 def _as_approved(request: ToolCallRequest, ctx: CallContext) -> ToolCallRequest:
@@ -139,28 +149,40 @@ def _as_approved(request: ToolCallRequest, ctx: CallContext) -> ToolCallRequest:
     return request.override(tool_call={**call, "args": {**call.get("args", {}), **ctx.edited}})
 
 
-def _call_id(request: ToolCallRequest) -> str | None:
-    call_id = request.tool_call.get("id")
+def _envelope(request: ToolCallRequest) -> Mapping[str, Any]:
+    """The tool call as a mapping (a request built by other code may hold anything there)."""
+    call = request.tool_call
+    return call if isinstance(call, Mapping) else {}
+
+
+def _call_id(call: Mapping[str, Any]) -> str | None:
+    call_id = call.get("id")
     return call_id if isinstance(call_id, str) else None
 
 
+def _node_tools(request: ToolCallRequest) -> list[Any]:
+    return list(getattr(request.runtime, "tools", None) or [])
+
+
 def _tool_names(request: ToolCallRequest) -> list[str]:
-    tools = getattr(request.runtime, "tools", None) or []
-    return [str(getattr(tool, "name", tool)) for tool in tools]
+    return [str(getattr(tool, "name", tool)) for tool in _node_tools(request)]
 
 
 class ToolGuardMiddleware(AgentMiddleware):
     """``create_agent`` middleware guarding every tool call (sync and async).
 
-    ``agent`` as for ``GuardedToolCalls``. The first middleware listed is the
-    outermost: list toolguard last among
-    the tool-call middlewares (after human approval and tool retry), so it
-    sits directly around the tool's execution.
+    ``agent``, ``metadata`` and ``tools`` (the agent's tools, checked against
+    the guard's edges now) as for ``GuardedToolCalls``. The first middleware
+    listed is the outermost: list toolguard last among the tool-call
+    middlewares (after human approval and tool retry), so it sits directly
+    around the tool's execution.
     """
 
     def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
-                 metadata: bool = True) -> None:
+                 metadata: bool = True, tools: Iterable[Any] | None = None) -> None:
         super().__init__()
+        if tools is not None:
+            check_tools(guard, tools, type(self).__name__)
         self.calls = GuardedToolCalls(guard, agent=agent, metadata=metadata)
 
     def wrap_tool_call(self, request: ToolCallRequest,

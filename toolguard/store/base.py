@@ -902,7 +902,11 @@ def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
 async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
                        source: FenceSource, intent: IntentRecord | None,
                        detail: str | None) -> AsyncIterator[AsyncFencedTransaction]:
-    """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``."""
+    """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``.
+
+    A commit, once sent, runs to its end: a cancellation that arrives meanwhile
+    is raised after it, marked audited when the commit wrote the call's row.
+    """
     plan = FencePlan.build(source, intent, detail)
     committing = committed = False
     async with session as s:
@@ -916,19 +920,11 @@ async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
             # The commit is not cut by a cancellation (a worker thread or the server would
             # finish it anyway): its outcome is awaited, so the call is audited as what it
             # became, once, and the connection goes back idle.
-            finishing = asyncio.ensure_future(
-                s.finish(tx, plan.entry("accepted", "applied", tx.detail)))
-            try:
-                await asyncio.shield(finishing)
-            except asyncio.CancelledError as cancelled:
-                if not finishing.done():
-                    with contextlib.suppress(BaseException):
-                        await finishing
-                if finishing.done() and not finishing.cancelled() and \
-                        finishing.exception() is None:
-                    committed = True
-                    mark_audited(cancelled)  # the accepted row is in
-                raise
+            cancelled = await _to_the_end(s.finish(tx, plan.entry("accepted", "applied", tx.detail)))
+            if cancelled is not None:  # committed and audited: the caller still stops
+                committed = True
+                mark_audited(cancelled)
+                raise cancelled
         except BaseException as raised:
             if committed:
                 raise
@@ -944,6 +940,25 @@ async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
                 log.warning("could not audit a failed fenced write (%s): %s", entry.reason,
                             audit_error)
             _raise(error, raised)
+
+
+async def _to_the_end(work: Awaitable[None]) -> asyncio.CancelledError | None:
+    """Await ``work`` to its end whatever cancellation arrives meanwhile; the first one, if any.
+
+    Used for the commit: the database may apply it whether or not the caller
+    still waits, so the caller learns how it ended before it stops.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as error:
+            if task.cancelled():  # the commit itself was cancelled (the loop is shutting down)
+                raise
+            cancelled = cancelled or error
+            continue
+        return cancelled
 
 
 # --- audit queries -----------------------------------------------------------------------

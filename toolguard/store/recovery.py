@@ -341,6 +341,7 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
             committed = True
             return Outcome(tx.result, tokens=dict(lease.tokens), reseeded=attempt > 1)
         except DuplicateIntent as duplicate:
+            committed = True  # a replay: its row is written too
             probe.replayed()
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
