@@ -17,7 +17,7 @@ from toolguard.adapters._messages import (
     replayed_value,
 )
 from toolguard.adapters._outcome import ToolOutcome
-from toolguard.adapters._tools import InjectedKeys, model_arguments, tool_refuses
+from toolguard.adapters._tools import InjectedKeys, model_arguments, model_schema, tool_refuses
 from toolguard.adapters.identity import intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
@@ -142,6 +142,6 @@ def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None,
     fields only say how to guard; ``metadata=False`` leaves the answers
     without the decision.
     """
-    guard.register(tool.name, tool)
+    guard.register(tool.name, model_schema(tool, InjectedKeys().of(tool)))
     own = {name: getattr(tool, name) for name in BaseTool.model_fields}
     return GuardedTool(**own, inner=tool, guard=guard, agent=agent, decision_metadata=metadata)

@@ -31,7 +31,7 @@ from toolguard.adapters._messages import (
     unknown_tool_message,
 )
 from toolguard.adapters._outcome import ToolOutcome
-from toolguard.adapters._tools import InjectedKeys, model_arguments, tool_refuses
+from toolguard.adapters._tools import InjectedKeys, model_arguments, model_schema, tool_refuses
 from toolguard.adapters.identity import agent_from_metadata, intent_from_call
 from toolguard.context import CallContext
 from toolguard.guard import Decision, ToolGuard
@@ -73,7 +73,7 @@ class GuardedToolCalls:
         args = call.get("args", {})
         if tool is not None:
             if not self.guard.has_schema(tool.name):
-                self.guard.register(tool.name, tool)
+                self.guard.register(tool.name, model_schema(tool, self._injected.of(tool)))
             args = model_arguments(args, self._injected.of(tool))
         runtime = request.runtime
         return intent_from_call({**call, "args": args}, agent=self._agent(request),
