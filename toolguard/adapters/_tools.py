@@ -1,9 +1,10 @@
 """What a LangChain tool itself accepts: its injected parameters and its own argument check.
 
 The adapters need both to stay transparent. Injected parameters (``InjectedState``,
-``InjectedStore``, ``ToolRuntime``, ``InjectedToolCallId``...) are filled by the
-host, never by the model: ToolNode strips a model-supplied value for one and
-injects the trusted value, so the guard drops it too instead of refusing the call.
+``InjectedStore``, ``ToolRuntime``, ``InjectedToolCallId``..., and any parameter
+named ``runtime``) are filled by the host, never by the model: ToolNode strips a
+model-supplied value for one and injects the trusted value, so the guard drops it
+too instead of refusing the call, and never asks the model for it.
 And when the tool's own (lenient) schema refuses the arguments as well, the
 answer belongs to ToolNode and the tool, not to toolguard.
 """
