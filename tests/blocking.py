@@ -8,6 +8,10 @@ third-party code that toolguard does not call are not its concern.
 
 Exclusions, each a blocking call toolguard cannot avoid and that happens once:
 
+* a module's first import (``importlib._bootstrap._find_and_load``): toolguard
+  imports a backend's client library when that backend is first used, and some
+  of them read their own package metadata at import (``psycopg_pool``,
+  ``debtcollector`` under ``etcd3gw``). blockbuster itself lets imports ``stat``.
 * psycopg reads the server's time zone from the system's tz database the first
   time a connection sees it (``psycopg._tz.get_tzinfo``, cached per process);
   under the detector psycopg would fall back to UTC and log a warning.
@@ -23,10 +27,13 @@ from blockbuster import BlockBuster, blockbuster_ctx
 __all__ = ["EXCLUSIONS", "no_blocking"]
 
 #: ``(wrapped function, file, functions)``: where blocking is allowed, and why (module text).
-EXCLUSIONS: tuple[tuple[str, str, frozenset[str]], ...] = tuple(
-    (wrapped, "psycopg/_tz.py", frozenset({"get_tzinfo"}))
-    for wrapped in ("os.stat", "io.BufferedReader.read", "os.listdir", "os.path.abspath",
-                    "os.scandir"))
+_FILE_READS = ("os.stat", "io.BufferedReader.read", "io.TextIOWrapper.read", "os.listdir",
+               "os.path.abspath", "os.scandir")
+EXCLUSIONS: tuple[tuple[str, str, frozenset[str]], ...] = (
+    *((wrapped, "<frozen importlib._bootstrap>", frozenset({"_find_and_load"}))
+      for wrapped in _FILE_READS),
+    *((wrapped, "psycopg/_tz.py", frozenset({"get_tzinfo"})) for wrapped in _FILE_READS),
+)
 
 
 @contextmanager

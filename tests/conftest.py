@@ -75,6 +75,17 @@ def sqlite_path(tmp_path) -> Iterator[str]:
 
 
 @pytest.fixture(autouse=True)
+def _no_blocking_in_the_event_loop() -> Iterator[None]:
+    """Every test runs under ``blockbuster`` (see ``blocking.py``): a blocking call that
+    toolguard's code makes inside a running event loop raises ``BlockingError``. Outside a
+    loop (sync tests, worker threads) nothing changes."""
+    from blocking import no_blocking
+
+    with no_blocking():
+        yield
+
+
+@pytest.fixture(autouse=True)
 def _no_terminal_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Output under test is piped: a COLUMNS/LINES exported by the runner (pytest-xdist
     workers, a CI shell) would make the CLI wrap at that width instead."""

@@ -28,8 +28,10 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     database_url: str | None = Field(
         default=None, description="PostgreSQL URL for the guarded store; else embedded SQLite.")
-    home: Path = Field(default_factory=lambda: Path.cwd() / ".toolguard",
-                       description="Folder of the embedded SQLite files.")
+    # Relative until a SQLite URL is made from it: reading the working directory here would
+    # be a system call in the event loop of every connect_async()/open_async_store().
+    home: Path = Field(default=Path(".toolguard"),
+                       description="Folder of the embedded SQLite files (default: ./.toolguard).")
     ttl_ms: int = 10_000
     wait_timeout_s: float = 5.0
 

@@ -62,13 +62,14 @@ from toolguard.steps.controls import Controls
 from toolguard.steps.execute import Body, context_of
 from toolguard.steps.order import await_order, wait_for_order
 from toolguard.steps.pause import acheck_pause, check_pause
-from toolguard.steps.prepared import Prepared, accepted, unknown
+from toolguard.steps.prepared import Prepared, accepted, unknown, unvalidated_unknown
 from toolguard.steps.quota import aadmit, admit, aheld, held
 from toolguard.steps.schema import SchemaCheck
 from toolguard.steps.shadow import ShadowRow
 from toolguard.steps.validate import facts_of, prepare
+from toolguard.steps.wiring import check_slot
 from toolguard.store import AsyncGuardedStore, GuardedStore
-from toolguard.store.base import AuditEntry, was_audited
+from toolguard.store.base import AuditEntry, mark_audited, was_audited
 from toolguard.store.recovery import arun_fenced, run_fenced
 
 __all__ = ["FAILURE_TEMPLATE", "REJECTION_TEMPLATE", "Decision", "DecisionKind", "ToolFailed",
@@ -80,7 +81,7 @@ log = logging.getLogger("toolguard.guard")
 class _Call:
     """One call's state across the steps: its policy snapshot, mode, facts so far."""
 
-    __slots__ = ("enforcement", "intent", "policy", "prepared", "shadow", "started")
+    __slots__ = ("decided", "enforcement", "intent", "policy", "prepared", "shadow", "started")
 
     def __init__(self, intent: Intent, policy: Policy) -> None:
         self.intent = intent
@@ -89,6 +90,8 @@ class _Call:
         self.enforcement = Enforcement("enforce")
         self.shadow = ShadowRow(self.enforcement)
         self.prepared: Prepared | None = None
+        #: The call's decision row is written (a cancellation after it adds no other row).
+        self.decided = False
 
     def entry(self, decision: Decision) -> AuditEntry:
         record = self.prepared.record if self.prepared is not None else None
@@ -103,7 +106,8 @@ class ToolGuard:
 
     Give it a sync pair (``locks=``, ``store=``) for ``run``, an asyncio pair
     (``async_locks=``, ``async_store=``) for ``arun``, or both; a path without
-    its pair raises ``GuardMisconfigured`` at its first call.
+    its pair raises ``GuardMisconfigured`` at its first call, and an object in
+    the other face's slot (``connect_async()`` as ``locks=``...) at once.
 
     ``policy`` is a ``Policy``, or a ``PolicyWatcher`` whose current policy
     each call reads once (hot reload). The production controls run on the
@@ -137,6 +141,11 @@ class ToolGuard:
             msg = (f"ToolGuard needs a Policy (load_policy(...) or Policy.from_dict(...)) or a "
                    f"PolicyWatcher, got {type(given).__name__}")
             raise GuardMisconfigured(msg)
+        for name, value in (("locks", locks), ("store", store), ("async_locks", async_locks),
+                            ("async_store", async_store), ("quotas", quotas),
+                            ("async_quotas", async_quotas), ("approvals", approvals),
+                            ("async_approvals", async_approvals)):
+            check_slot(name, value)  # a sync object in an asyncio slot, or the reverse
         for sync, edge, names in ((locks, store, "locks= and store="),
                                   (async_locks, async_store, "async_locks= and async_store=")):
             if (sync is None) != (edge is None):
@@ -162,6 +171,45 @@ class ToolGuard:
             self._watcher.schemas = lambda: dict(self._models)  # reloads are checked against them
         for name, source in (schemas or {}).items():
             self.register(name, source, stacklevel=3)
+
+    # The edges may be set after construction too (an app opening its asyncio pair in its
+    # event loop); each assignment is checked as the constructor's arguments are.
+
+    @property
+    def locks(self) -> LockManager | None:
+        return self._locks
+
+    @locks.setter
+    def locks(self, value: LockManager | None) -> None:
+        check_slot("locks", value)
+        self._locks = value
+
+    @property
+    def store(self) -> GuardedStore | None:
+        return self._store
+
+    @store.setter
+    def store(self, value: GuardedStore | None) -> None:
+        check_slot("store", value)
+        self._store = value
+
+    @property
+    def async_locks(self) -> AsyncLockManager | None:
+        return self._async_locks
+
+    @async_locks.setter
+    def async_locks(self, value: AsyncLockManager | None) -> None:
+        check_slot("async_locks", value)
+        self._async_locks = value
+
+    @property
+    def async_store(self) -> AsyncGuardedStore | None:
+        return self._async_store
+
+    @async_store.setter
+    def async_store(self, value: AsyncGuardedStore | None) -> None:
+        check_slot("async_store", value)
+        self._async_store = value
 
     @property
     def policy(self) -> Policy:
@@ -365,6 +413,7 @@ class ToolGuard:
                 await self._aaudit_entry(state.shadow_entry(), call)
                 async with aheld(admission) as done:
                     decision = await self._aexecute(state, prepared, execute, call, locks, store)
+                    state.decided = True
                     done.applied = decision.ok
                 return decision
             except BaseException as error:
@@ -372,6 +421,8 @@ class ToolGuard:
                     call.decided(self._refusal(state, _pending()))
                     raise
                 if is_control_flow(error):
+                    if state.decided:  # cancelled after its row was written: that row stands
+                        mark_audited(error)
                     await asyncio.shield(self._arecord_unknown(state, error, call))
                     raise
                 if not isinstance(error, Exception):
@@ -417,24 +468,35 @@ class ToolGuard:
 
     async def _arecord_unknown(self, state: _Call, error: BaseException,
                                call: telemetry.Call) -> None:
+        """As ``_record_unknown``; a call cancelled before it was validated is audited too
+        (unknown, cancelled: nothing of it ran), so every call leaves its one row."""
         prepared = state.prepared
-        if prepared is not None:
-            call.decided(unknown(state.intent, prepared, error))
-        if self.async_store is None or prepared is None:
+        decision = (unknown(state.intent, prepared, error) if prepared is not None
+                    else unvalidated_unknown(state.intent, error))
+        call.decided(decision)
+        if self.async_store is None:
             return
         try:
             with call.step(telemetry.SPAN_AUDIT):
-                if prepared.record.idempotency_key:
+                if prepared is not None and prepared.record.idempotency_key:
                     await self.async_store.mark_unknown(prepared.record.idempotency_key,
                                                         prepared.record)
                 if not was_audited(error):
-                    await self.async_store.audit(state.entry(unknown(state.intent, prepared,
-                                                                     error)))
+                    await self.async_store.audit(state.entry(decision))
         except Exception as audit_error:
             log.warning("could not record an interrupted call as unknown: %s", audit_error)
 
     async def _aaudit(self, decision: Decision, state: _Call, call: telemetry.Call) -> None:
-        await self._aaudit_entry(state.entry(decision), call)
+        """The decision's row; a cancellation meanwhile does not stop it (the row is the
+        call's one row, so it is noted on the cancellation, and no ``unknown`` row follows)."""
+        writing = asyncio.ensure_future(self._aaudit_entry(state.entry(decision), call))
+        try:
+            await asyncio.shield(writing)
+        except asyncio.CancelledError as cancelled:
+            state.decided = True
+            mark_audited(cancelled)
+            raise
+        state.decided = True
 
     async def _aaudit_entry(self, entry: AuditEntry | None, call: telemetry.Call) -> None:
         if entry is None:

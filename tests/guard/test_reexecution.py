@@ -242,18 +242,21 @@ def test_cancelled_sibling_releases_locks_and_is_reconciled_once(harness) -> Non
     config = {"configurable": {"thread_id": f"t-{uuid.uuid4().hex}"}}
     start = {"messages": [calls_message(("add_score", {"lead_id": "a", "delta": 7}, "c1"))]}
 
+    def cancelled_and_free() -> None:
+        # The cancelled call let go of its lock: taking it now needs no wait at all.
+        lease = h.locks.acquire(["lead:a"], timeout_s=0)
+        lease.release()
+        assert [d for d, _ in h.decisions("c1")] == ["unknown"]
+        (entry,) = h.audit(intent_id="c1")
+        assert entry.reason == "cancelled"
+        assert h.intent_status(entry.idempotency_key) == "unknown"
+        assert h.scores() == {}
+
     async def main() -> dict[str, Any]:
         async with h.async_edges():
             with pytest.raises(RuntimeError, match="enrichment service"):
                 await app.ainvoke(start, config)
-            # The cancelled call let go of its lock: taking it now needs no wait at all.
-            lease = h.locks.acquire(["lead:a"], timeout_s=0)
-            lease.release()
-            assert [d for d, _ in h.decisions("c1")] == ["unknown"]
-            (entry,) = h.audit(intent_id="c1")
-            assert entry.reason == "cancelled"
-            assert h.intent_status(entry.idempotency_key) == "unknown"
-            assert h.scores() == {}
+            await asyncio.to_thread(cancelled_and_free)  # sync reads: not in the loop
 
             state["fail"] = False
             return await app.ainvoke(None, config)  # the next attempt: resume the superstep

@@ -94,7 +94,7 @@ def test_lost_lease_cancels_the_task_inside_async_with(backend: LockEnv, tamper:
             with pytest.raises(LockLost) as caught:
                 async with manager.acquire(key, ttl_ms=ttl_ms) as lease:
                     held = lease
-                    getattr(backend, tamper)(key)
+                    await asyncio.to_thread(getattr(backend, tamper), key)  # sync: off the loop
                     await asyncio.sleep(30)  # only the loss can end this early
             assert isinstance(caught.value, NotOwned)
             await asyncio.sleep(0)  # the task is usable again: the cancellation was consumed

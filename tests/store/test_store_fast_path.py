@@ -157,7 +157,7 @@ def test_async_cancelled_attempt_without_begin(env: StoreEnv, ledger: GuardedSto
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert status(ledger, "fast-acancel") == [("unknown", 1)]
+            assert await asyncio.to_thread(status, ledger, "fast-acancel") == [("unknown", 1)]
             done = await arun_fenced(alocks, store, [key],
                                      lambda tx: adeposit(tx, "a", 5, "rerun"),
                                      intent=intent("fast-acancel"), timeout_s=0.5)

@@ -61,6 +61,12 @@ def open_backend(url: str, **options: Any) -> LockBackend:
     An option the backend does not take is a ``ConfigurationError`` naming it (and
     the options it does take), as is an option with a value it cannot use.
     """
+    return _open_backend(url, options, prepare=True)
+
+
+def _open_backend(url: str, options: dict[str, Any], *, prepare: bool) -> LockBackend:
+    """``open_backend``; ``prepare=False`` leaves what blocks (a SQLite file's setup, a
+    Redis Cluster's slot map) to the first use, which the asyncio paths make in a thread."""
     given: object = url  # untyped callers may pass anything
     if not isinstance(given, str):
         msg = f"a lock URL must be a string, got {given!r}"
@@ -74,14 +80,19 @@ def open_backend(url: str, **options: Any) -> LockBackend:
     if scheme in REDIS_HA_SCHEMES:
         require("redis", "the Redis Cluster/Sentinel lock backend")
         from toolguard.locks.redis import RedisBackend
-        from toolguard.locks.redis_ha import open_sync
+        from toolguard.locks.redis_ha import CLUSTER_SCHEMES, DeferredClusterBackend, open_sync
 
         _check_options(RedisBackend, scheme, options)  # the same options as one Redis server
+        if not prepare and scheme in CLUSTER_SCHEMES:
+            return DeferredClusterBackend(url, **options)
         return open_sync(url, **options)
     if scheme == "sqlite":
         from toolguard.locks.sqlite import SqliteBackend
 
-        return _construct(SqliteBackend, scheme, sqlite_path(url), options)
+        backend = _construct(SqliteBackend, scheme, sqlite_path(url), options)
+        if prepare:
+            backend.prepare()
+        return backend
     if scheme in ("postgresql", "postgres"):
         require("postgres", "the PostgreSQL lock backend")
         from toolguard.locks.postgres import PostgresBackend
@@ -164,7 +175,7 @@ def connect_async(url: str | None = None, **options: Any) -> AsyncLockManager:
         url = settings.resolved_lock_url()
         manager_options.setdefault("ttl_ms", settings.ttl_ms)
         manager_options.setdefault("timeout_s", settings.wait_timeout_s)
-    sync = open_backend(url, **backend_options)
+    sync = _open_backend(url, backend_options, prepare=False)  # no file I/O in the caller's loop
     return AsyncLockManager(_async_backend(url, sync, **backend_options), sync, **manager_options)
 
 

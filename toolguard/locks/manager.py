@@ -49,8 +49,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,6 +208,51 @@ def _check_keys_and_options(keys: str | Iterable[str], ttl_ms: int | None,
     return canonical_keys(keys)
 
 
+class _Holds:
+    """The keys this manager's acquisitions hold or are taking, and who waits for each.
+
+    A key claimed by one owner is not taken by another owner of this manager, whatever
+    the server answers: the server may have forgotten a live lease (a Redis restarted
+    without persistence, a lock record deleted), and the process knows its own leases.
+    A second acquisition of a held key waits here for the local release, as another
+    process waits in the server's queue, until its own deadline. Claims are taken in
+    the keys' canonical order, as on the server, so local waits cannot deadlock either.
+
+    The dictionaries are only changed by single operations (``setdefault``, ``pop``) or
+    under ``_mutex``, a lock held for a few dictionary operations, never across I/O.
+    """
+
+    def __init__(self) -> None:
+        self._owners: dict[str, str] = {}
+        self._wakers: dict[str, list[Callable[[], None]]] = {}
+        self._mutex = threading.Lock()
+
+    def claim(self, key: str, owner: str) -> bool:
+        """Claim ``key`` for ``owner``; False while another owner has it."""
+        return self._owners.setdefault(key, owner) == owner
+
+    def free(self, key: str, owner: str) -> None:
+        """Drop ``owner``'s claim on ``key`` (if it has it) and wake whoever waits for it."""
+        with self._mutex:
+            if self._owners.get(key) != owner:
+                return
+            del self._owners[key]
+            wakers = self._wakers.pop(key, [])
+        for wake in wakers:
+            wake()
+
+    def when_free(self, key: str, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` once ``key`` has no claim (at once if it has none now)."""
+        with self._mutex:
+            if key in self._owners:
+                self._wakers.setdefault(key, []).append(wake)
+                return
+        wake()
+
+    def holder(self, key: str) -> str | None:
+        return self._owners.get(key)
+
+
 class _ManagerBase:
     def __init__(
         self,
@@ -223,6 +269,7 @@ class _ManagerBase:
         self.backoff_base_s = check_seconds("backoff_base_s", backoff_base_s)
         self.backoff_cap_s = check_seconds("backoff_cap_s", backoff_cap_s)
         self._presence: int | None = None  # the backend's presence window, once read
+        self._holds = _Holds()
         if self.backoff_cap_s < self.backoff_base_s:
             msg = (f"backoff_cap_s ({backoff_cap_s!r}) must not be below backoff_base_s "
                    f"({backoff_base_s!r})")
@@ -264,7 +311,16 @@ class _ManagerBase:
                       owner=plan.owner, ttl_ms=plan.ttl_ms, acquired_at=acquired_at,
                       backend=renewer, releaser=self, first_ttl_ms=first_ttl_ms)
         heartbeat().add(lease)
+        lease.on_lost(self._on_lost)
         return lease
+
+    def _on_lost(self, lease: Lease) -> None:
+        self._lost(lease)
+
+    def _lost(self, lease: Lease) -> None:
+        """A lost lease is not live: its keys may be taken again (the server decides)."""
+        for key in lease.keys:
+            self._holds.free(key, lease.owner)
 
 
 class LockManager(_ManagerBase):
@@ -307,8 +363,11 @@ class LockManager(_ManagerBase):
             time.sleep(pause)
 
     def _take(self, key: str, plan: _Plan, until: float) -> _Grant | None:
-        """Wait in line for ``key`` until granted (a usable grant) or ``until`` passes."""
+        """Wait in line for ``key`` until granted (a usable grant) or ``until`` passes:
+        first behind this manager's own holder of it, if any, then on the server."""
         owner = plan.owner
+        if not self._claim(key, owner, until):
+            return None
         while True:
             sent = time.monotonic()
             try:
@@ -348,9 +407,22 @@ class LockManager(_ManagerBase):
                     return grant
                 # Handed over too long ago (this process was stopped?): ask again.
 
+    def _claim(self, key: str, owner: str, until: float) -> bool:
+        """Claim ``key`` in this manager, waiting for its local holder until ``until``."""
+        while not self._holds.claim(key, owner):
+            freed = threading.Event()
+            self._holds.when_free(key, freed.set)
+            left = until - time.monotonic()
+            if left <= 0 or not freed.wait(left):
+                return self._holds.claim(key, owner)
+        return True
+
     def _leave(self, key: str, owner: str) -> None:
-        with contextlib.suppress(Exception):  # best effort: an unreleased entry lapses by itself
-            self.backend.release(key, owner)
+        try:
+            with contextlib.suppress(Exception):  # best effort: an unreleased entry lapses
+                self.backend.release(key, owner)
+        finally:
+            self._holds.free(key, owner)
 
     def _give_back(self, keys: tuple[str, ...], owner: str) -> None:
         for key in keys:
@@ -396,9 +468,20 @@ class AsyncLockManager(_ManagerBase):
         super().__init__(**options)
         self.backend = backend
         self.renewer = renewer
+        #: id(lease) -> the loop that took it, while it is held (for ``_on_lost``)
+        self._loops: dict[int, asyncio.AbstractEventLoop] = {}
 
     def _queueing_backend(self) -> Any:
         return self.backend
+
+    def _on_lost(self, lease: Lease) -> None:
+        """From the renewal thread: the claims are freed on the loop that took them."""
+        loop = self._loops.get(id(lease))
+        if loop is None:
+            self._lost(lease)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits on it
+            loop.call_soon_threadsafe(self._lost, lease)
 
     def acquire(self, keys: str | Iterable[str], *, ttl_ms: int | None = None,
                 timeout_s: float | None = None) -> _AsyncAcquire:
@@ -424,7 +507,9 @@ class AsyncLockManager(_ManagerBase):
                 await asyncio.shield(self._give_back(plan.keys, plan.owner))
                 raise
             if len(plan.grants) == len(plan.keys) and plan.usable():
-                return self._new_lease(plan, self.renewer)
+                lease = self._new_lease(plan, self.renewer)
+                self._loops[id(lease)] = asyncio.get_running_loop()
+                return lease
             missing = next((k for k in plan.keys if k not in plan.grants), plan.keys[0])
             await self._give_back(plan.keys, plan.owner)
             pause = plan.backoff_s()
@@ -435,6 +520,8 @@ class AsyncLockManager(_ManagerBase):
     async def _take(self, key: str, plan: _Plan, until: float) -> _Grant | None:
         """As ``LockManager._take``."""
         owner = plan.owner
+        if not await self._claim(key, owner, until):
+            return None
         while True:
             sent = time.monotonic()
             try:
@@ -473,9 +560,35 @@ class AsyncLockManager(_ManagerBase):
                 if grant.usable(time.monotonic()):
                     return grant
 
+    async def _claim(self, key: str, owner: str, until: float) -> bool:
+        """As ``LockManager._claim``; the wait is a future woken from whichever thread frees."""
+        loop = asyncio.get_running_loop()
+        while not self._holds.claim(key, owner):
+            freed: asyncio.Future[None] = loop.create_future()
+
+            def wake(future: asyncio.Future[None] = freed) -> None:
+                def settle() -> None:
+                    if not future.done():
+                        future.set_result(None)
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(settle)
+
+            self._holds.when_free(key, wake)
+            left = until - time.monotonic()
+            if left <= 0:
+                return self._holds.claim(key, owner)
+            try:
+                await asyncio.wait_for(freed, left)
+            except TimeoutError:
+                return self._holds.claim(key, owner)
+        return True
+
     async def _leave(self, key: str, owner: str) -> None:
-        with contextlib.suppress(Exception):
-            await self.backend.release(key, owner)
+        try:
+            with contextlib.suppress(Exception):
+                await self.backend.release(key, owner)
+        finally:
+            self._holds.free(key, owner)
 
     async def _give_back(self, keys: tuple[str, ...], owner: str) -> None:
         for key in keys:
@@ -490,6 +603,7 @@ class AsyncLockManager(_ManagerBase):
             return
         lease.released = True
         heartbeat().remove(lease)
+        self._loops.pop(id(lease), None)
         await asyncio.shield(self._give_back(lease.keys, lease.owner))
 
     async def raise_floor(self, key: str, token: int) -> None:
@@ -497,7 +611,7 @@ class AsyncLockManager(_ManagerBase):
 
     async def aclose(self) -> None:
         await self.backend.aclose()
-        self.renewer.close()
+        await asyncio.to_thread(self.renewer.close)  # joins threads, closes pools: not in the loop
 
     async def __aenter__(self) -> AsyncLockManager:
         return self

@@ -32,7 +32,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -54,7 +55,7 @@ from redis.exceptions import (
 
 from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks import redis as single
-from toolguard.locks.base import BackendInfo
+from toolguard.locks.base import Attempt, BackendInfo
 
 __all__ = [
     "CLUSTER_INFO",
@@ -386,6 +387,49 @@ def open_sync(url: str, **options: Any) -> single.RedisBackend:
     if parsed.scheme in CLUSTER_SCHEMES:
         return RedisClusterBackend(cluster_client(parsed), **options)
     return RedisSentinelBackend(sentinel_client(parsed), **options)
+
+
+class DeferredClusterBackend:
+    """The sync twin of an asyncio Cluster backend (the heartbeat renews through it), made
+    on first use: a sync ``RedisCluster`` reads the slot map when it is made, and
+    ``connect_async()`` runs in the caller's event loop; first use is on a worker thread."""
+
+    info = CLUSTER_INFO
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self._url, self._options = url, options
+        self._made: RedisClusterBackend | None = None
+        self._making = threading.Lock()
+        self.presence_ms: int = single._RedisShared(**options).presence_ms
+
+    def _backend(self) -> RedisClusterBackend:
+        if self._made is None:
+            with self._making:
+                if self._made is None:
+                    self._made = RedisClusterBackend(cluster_client(self._url), **self._options)
+        return self._made
+
+    def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
+        return self._backend().try_acquire(key, owner, ttl_ms)
+
+    def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
+        return self._backend().wait(key, owner, timeout_s)
+
+    def release(self, key: str, owner: str) -> bool:
+        return self._backend().release(key, owner)
+
+    def renew(self, held: Sequence[tuple[str, str, int]]) -> list[bool]:
+        return self._backend().renew(held)
+
+    def raise_floor(self, key: str, token: int) -> None:
+        self._backend().raise_floor(key, token)
+
+    def current_token(self, key: str) -> int:
+        return self._backend().current_token(key)
+
+    def close(self) -> None:
+        if self._made is not None:
+            self._made.close()
 
 
 def open_async(url: str, **options: Any) -> single.AsyncRedisBackend:

@@ -79,16 +79,23 @@ class SqliteBackend:
         self.path = str(path)
         self.presence_ms = check_ms("presence_ms", presence_ms, MIN_TTL_MS)
         self.busy_timeout_ms = check_ms("busy_timeout_ms", busy_timeout_ms, 0)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._sockets: dict[tuple[str, str], socket.socket] = {}
         #: (owner, key) -> the key's last token when the owner was last queued for it
         self._floors: dict[tuple[str, str], int] = {}
         self._sockets_lock = threading.Lock()
+        self._prepared = False
+
+    def prepare(self) -> None:
+        """Create the file (and its folder) with the lock tables, if missing.
+
+        Done by the first operation otherwise: ``connect()`` calls it so that a path
+        that cannot be written fails at once; ``connect_async()`` leaves it to the
+        first operation, which runs in a worker thread (file I/O blocks the loop).
+        """
         try:
-            self._connection().executescript(SCHEMA)
-        except sqlite3.Error as error:
+            self._connection()
+        except (sqlite3.Error, OSError) as error:
             raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
 
     # --- plumbing -------------------------------------------------------------------
@@ -122,13 +129,16 @@ class SqliteBackend:
                 db.close()
             fresh = True
         else:
-            fresh = self._file() is None
+            fresh = self._file() is None or not self._prepared
+        if fresh and self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
                              isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         if fresh:
             db.executescript(SCHEMA)
+            self._prepared = True
         self._local.db = db
         self._local.pid = os.getpid()
         self._local.file = self._file()
@@ -139,7 +149,7 @@ class SqliteBackend:
         try:
             db = self._connection()
             db.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as error:
+        except (sqlite3.Error, OSError) as error:  # OSError: the file's folder cannot be made
             raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
         try:
             yield db

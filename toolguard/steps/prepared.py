@@ -14,7 +14,7 @@ from toolguard.policies import ToolPolicy
 from toolguard.policies.redaction import Secrets
 from toolguard.store.base import IntentRecord
 
-__all__ = ["Prepared", "accepted", "unknown"]
+__all__ = ["Prepared", "accepted", "unknown", "unvalidated_unknown"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +46,9 @@ def unknown(intent: Intent, prepared: Prepared, error: BaseException) -> Decisio
     reason = "interrupted" if isinstance(error, Exception) else "cancelled"
     return Decision(kind="unknown", reason=reason, intent=intent, message=type(error).__name__,
                     keys=prepared.keys, idempotency_key=prepared.record.idempotency_key)
+
+
+def unvalidated_unknown(intent: Intent, error: BaseException) -> Decision:
+    """The decision of a call cancelled before it was validated: nothing of it ran."""
+    reason = "interrupted" if isinstance(error, Exception) else "cancelled"
+    return Decision(kind="unknown", reason=reason, intent=intent, message=type(error).__name__)

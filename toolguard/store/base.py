@@ -8,6 +8,7 @@ four, so an accepted write, a stale token and a crash are audited identically.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -897,7 +898,7 @@ async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
                        detail: str | None) -> AsyncIterator[AsyncFencedTransaction]:
     """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``."""
     plan = FencePlan.build(source, intent, detail)
-    committing = False
+    committing = committed = False
     async with session as s:
         try:
             if plan.problem is not None:
@@ -906,8 +907,25 @@ async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
             yield tx
             require_held(plan.lease)
             committing = True
-            await s.finish(tx, plan.entry("accepted", "applied", tx.detail))
+            # The commit is not cut by a cancellation (a worker thread or the server would
+            # finish it anyway): its outcome is awaited, so the call is audited as what it
+            # became, once, and the connection goes back idle.
+            finishing = asyncio.ensure_future(
+                s.finish(tx, plan.entry("accepted", "applied", tx.detail)))
+            try:
+                await asyncio.shield(finishing)
+            except asyncio.CancelledError as cancelled:
+                if not finishing.done():
+                    with contextlib.suppress(BaseException):
+                        await finishing
+                if finishing.done() and not finishing.cancelled() and \
+                        finishing.exception() is None:
+                    committed = True
+                    mark_audited(cancelled)  # the accepted row is in
+                raise
         except BaseException as raised:
+            if committed:
+                raise
             error = await s.abort(raised)
             if not committing:
                 error = _lost_meanwhile(plan.lease, error)

@@ -67,6 +67,7 @@ from toolguard.store.base import (
     FencedTransaction,
     GuardedStore,
     IntentRecord,
+    mark_audited,
 )
 
 if TYPE_CHECKING:
@@ -330,12 +331,14 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
         lease = await probe.aacquire(
             lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s), ordered, attempt)
         held_since = time.monotonic()
+        committed = False  # the transaction (with its audit row) is in: the outcome is known
         try:
             with probe.transaction(lease, attempt):
                 async with store.fenced(lease, intent) as tx:
                     value = await body(tx)
                     if not tx.recorded:
                         tx.record(value)
+            committed = True
             return Outcome(tx.result, tokens=dict(lease.tokens), reseeded=attempt > 1)
         except DuplicateIntent as duplicate:
             probe.replayed()
@@ -348,7 +351,14 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
                 raise
             recovery = _Recovery.of(lease, stale)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(lease.arelease())
-            probe.released(held_since)
+            try:
+                await asyncio.shield(lease.arelease())  # goes on if this task is cancelled
+            except asyncio.CancelledError as cancelled:
+                if committed:  # cancelled after the commit: its row says what happened
+                    mark_audited(cancelled)
+                raise
+            except Exception:
+                pass
+            finally:
+                probe.released(held_since)
     raise AssertionError("unreachable")  # pragma: no cover

@@ -297,6 +297,14 @@ class _Connections:
         self._pid = os.getpid()
 
     def _open(self) -> sqlite3.Connection:
+        """A new connection; the file's folder is made here (first use, not construction:
+        the asyncio store is built in the caller's event loop, and opens in a worker thread)."""
+        if self.path != ":memory:":
+            try:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                msg = f"sqlite {self.path}: cannot create its directory: {error}"
+                raise BackendUnavailable(msg) from error
         conn: sqlite3.Connection | None = None
         try:
             conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
@@ -479,12 +487,6 @@ class SqliteStore:
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 30_000,
                  synchronous: str = "NORMAL") -> None:
         self.path = str(path)
-        if self.path != ":memory:":
-            try:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            except OSError as error:
-                msg = f"sqlite {self.path}: cannot create its directory: {error}"
-                raise BackendUnavailable(msg) from error
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             msg = f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}"
             raise ConfigurationError(msg)
