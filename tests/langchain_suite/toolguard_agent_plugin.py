@@ -158,6 +158,13 @@ class _Installer:
         return _Counted(ToolGuardMiddleware(guard, agent=AGENT, metadata=self.metadata), self.calls,
                         self.async_calls)
 
+    def last_audit_id(self) -> int:
+        if self.composition == "passthrough":
+            return 0
+        with sqlite3.connect(self.audit_path) as conn:
+            (last,) = conn.execute("SELECT coalesce(max(id), 0) FROM toolguard_audit").fetchone()
+        return int(last)
+
     def compose(self, middleware: Sequence[Any], ours: AgentMiddleware) -> list[Any]:
         """The first middleware listed is the outermost."""
         if self.composition == "outermost":
@@ -176,16 +183,30 @@ class _Installer:
         self.locks.close()
         self.store.close()
 
-    def audit_rows_after(self, last_id: int) -> tuple[int, list[str], list[str]]:
-        """``(newest id, ["decision/reason", ...], [detail naming a blocking call, ...])``
-        of the audit rows after ``last_id``."""
+    def audit_rows(self) -> list[tuple[int, str, str, str]]:
+        """``(id, test or "", "decision/reason", detail)`` of every audit row, oldest first.
+
+        The test is the one named in the row's idempotency key (``key``): a cancelled
+        call's row may be written after its test ended. Rows refused before their key
+        was made name no test.
+        """
         if self.composition == "passthrough":
-            return last_id, [], []
+            return []
         with sqlite3.connect(self.audit_path) as conn:
-            rows = conn.execute("SELECT id, decision, reason, detail FROM toolguard_audit "
-                                "WHERE id > ? ORDER BY id", (last_id,)).fetchall()
-        blocking = [detail for *_, detail in rows if "BlockingError" in (detail or "")]
-        return (rows[-1][0] if rows else last_id), [f"{d}/{r}" for _, d, r, _ in rows], blocking
+            rows = conn.execute("SELECT id, idempotency_key, decision, reason, detail "
+                                "FROM toolguard_audit ORDER BY id").fetchall()
+        return [(row_id, _test_of(key or ""), f"{decision}/{reason}", detail or "")
+                for row_id, key, decision, reason, detail in rows]
+
+
+def _test_of(key: str) -> str:
+    """The test id ``_Installer.key`` put in front of toolguard's default key."""
+    if not key.startswith("test:"):
+        return ""
+    for scope in ("/thread:", "/run:"):
+        if scope in key:
+            return key[len("test:"):key.index(scope)]
+    return ""
 
 
 def _tool_names(tools: Sequence[Any]) -> list[str]:
@@ -210,7 +231,6 @@ class _Recorder:
         self.folder = folder
         self.installer = installer
         self.tests: dict[str, dict[str, Any]] = {}
-        self._last_audit_id = 0
 
     def _entry(self, nodeid: str) -> dict[str, Any]:
         return self.tests.setdefault(nodeid, {"outcome": "passed", "agents": 0, "calls": 0,
@@ -240,8 +260,7 @@ class _Recorder:
         entry["calls"] = installer.calls.value - calls
         entry["async_calls"] = installer.async_calls.value - async_calls
         entry["agents"] = installer.agents.value - agents
-        self._last_audit_id, entry["decisions"], entry["blocking"] = \
-            installer.audit_rows_after(self._last_audit_id)
+        entry["last_audit_id"] = installer.last_audit_id()
         installer.test_id = "between-tests"
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -255,7 +274,24 @@ class _Recorder:
         elif report.skipped and entry["outcome"] == "passed":
             entry["outcome"] = "skipped"
 
+    def _attribute_audit_rows(self) -> None:
+        """Each test's audit rows: those its keys name, and the unnamed ones written while it ran."""
+        if self.installer is None:
+            return
+        windows = sorted((entry.pop("last_audit_id"), test) for test, entry in self.tests.items()
+                         if "last_audit_id" in entry)
+        for entry in self.tests.values():
+            entry["decisions"], entry["blocking"] = [], []
+        for row_id, named, decision, detail in self.installer.audit_rows():
+            test = named if named in self.tests else next(
+                (test for last, test in windows if row_id <= last), "")
+            if test:
+                self.tests[test]["decisions"].append(decision)
+                if "BlockingError" in detail:
+                    self.tests[test]["blocking"].append(detail)
+
     def write(self) -> None:
+        self._attribute_audit_rows()
         summary = {"composition": self.composition, "tests": self.tests}
         (self.folder / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
 
