@@ -278,8 +278,10 @@ class _Recorder:
         """Each test's audit rows: those its keys name, and the unnamed ones written while it ran."""
         if self.installer is None:
             return
-        windows = sorted((entry.pop("last_audit_id"), test) for test, entry in self.tests.items()
-                         if "last_audit_id" in entry)
+        # In the order the tests ran (their last ids never decrease): a row belongs to the
+        # first test that ended after it was written.
+        windows = [(entry.pop("last_audit_id"), test) for test, entry in self.tests.items()
+                   if "last_audit_id" in entry]
         for entry in self.tests.values():
             entry["decisions"], entry["blocking"] = [], []
         for row_id, named, decision, detail in self.installer.audit_rows():
