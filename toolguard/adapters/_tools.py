@@ -1,10 +1,11 @@
 """What the adapters read off a LangChain tool: its injected parameters, and whether it is sync.
 
 Injected parameters (``InjectedState``, ``InjectedStore``, ``ToolRuntime``,
-``InjectedToolCallId``...) are filled by the host, never by the model: ToolNode
-strips a model-supplied value for one and injects the trusted value, so the
-guard drops it too instead of refusing the call. A sync tool (no coroutine)
-needs a guard with sync edges: ``check_tools`` says so when an adapter is built.
+``InjectedToolCallId``..., and any parameter named ``runtime``) are filled by the
+host, never by the model: ToolNode strips a model-supplied value for one and
+injects the trusted value, so the guard drops it too instead of refusing the
+call, and never asks the model for it. A sync tool (no coroutine) needs a guard
+with sync edges: ``check_tools`` says so when an adapter is built.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from langchain_core.tools import BaseTool, StructuredTool, Tool
+from pydantic import BaseModel, create_model
 
 from toolguard.adapters._worker import has_sync_edges
 from toolguard.errors import GuardMisconfigured
 
-__all__ = ["InjectedKeys", "check_tools", "model_arguments", "runs_sync"]
+__all__ = ["InjectedKeys", "check_tools", "model_arguments", "model_schema", "runs_sync"]
 
 _ASYNC_ONLY = ("{where}: {tools} {verb} sync (no coroutine), and this guard has only asyncio "
                "locks and store (async_locks=, async_store=), so {pronoun} would run without a "
@@ -43,14 +45,39 @@ class InjectedKeys:
         return keys
 
 
+#: Parameters ToolNode injects by their name alone, whatever their annotation (a ``runtime``
+#: parameter gets the ``ToolRuntime``), though the model-facing schema still lists them.
+_INJECTED_BY_NAME = frozenset({"runtime"})
+
+
 def _injected_keys(tool: Any) -> frozenset[str]:
-    """Parameters in the tool's input schema that its model-facing schema leaves out."""
+    """Parameters in the tool's input schema that its model-facing schema leaves out, and
+    those ToolNode injects by name."""
     try:
         full = _field_names(tool.get_input_schema())
         facing = _field_names(tool.tool_call_schema)
     except Exception:  # not a LangChain tool, or a schema we cannot read: nothing to drop
         return frozenset()
-    return frozenset(full - facing)
+    return frozenset((full - facing) | (full & _INJECTED_BY_NAME))
+
+
+def model_schema(tool: Any, injected: frozenset[str]) -> Any:
+    """What toolguard validates a call to ``tool`` against: the arguments the model sends.
+
+    ``tool`` itself (its model-facing schema), unless that schema lists a parameter the
+    host injects (``_INJECTED_BY_NAME``): then that schema without it, as the model's
+    arguments never hold the host's value.
+    """
+    schema = getattr(tool, "tool_call_schema", None)
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+        return tool
+    kept = {name: (info.annotation, info) for name, info in schema.model_fields.items()
+            if name not in injected and info.alias not in injected}
+    if len(kept) == len(schema.model_fields):
+        return tool
+    model: type[BaseModel] = create_model(schema.__name__, __config__=schema.model_config,
+                                          __doc__=schema.__doc__, **kept)  # type: ignore[call-overload]
+    return model
 
 
 def _field_names(schema: Any) -> set[str]:

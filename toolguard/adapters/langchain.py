@@ -17,7 +17,13 @@ from toolguard.adapters._messages import (
     replayed_value,
 )
 from toolguard.adapters._outcome import ToolOutcome
-from toolguard.adapters._tools import InjectedKeys, check_tools, model_arguments, runs_sync
+from toolguard.adapters._tools import (
+    InjectedKeys,
+    check_tools,
+    model_arguments,
+    model_schema,
+    runs_sync,
+)
 from toolguard.adapters._worker import has_sync_edges, in_worker
 from toolguard.adapters.identity import intent_from_call
 from toolguard.context import CallContext
@@ -136,6 +142,6 @@ def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None,
     worker thread): with only asyncio edges this raises ``GuardMisconfigured``.
     """
     check_tools(guard, [tool], "guard_tool")
-    guard.register(tool.name, tool)
+    guard.register(tool.name, model_schema(tool, InjectedKeys().of(tool)))
     own = {name: getattr(tool, name) for name in BaseTool.model_fields}
     return GuardedTool(**own, inner=tool, guard=guard, agent=agent, decision_metadata=metadata)

@@ -33,7 +33,13 @@ from toolguard.adapters._messages import (
     unknown_tool_message,
 )
 from toolguard.adapters._outcome import ToolOutcome
-from toolguard.adapters._tools import InjectedKeys, check_tools, model_arguments, runs_sync
+from toolguard.adapters._tools import (
+    InjectedKeys,
+    check_tools,
+    model_arguments,
+    model_schema,
+    runs_sync,
+)
 from toolguard.adapters._worker import has_sync_edges, in_worker, worker_execute
 from toolguard.adapters.identity import agent_from_metadata, intent_from_call
 from toolguard.context import CallContext
@@ -85,7 +91,7 @@ class GuardedToolCalls:
         args = call.get("args")
         if tool is not None:
             if not self.guard.has_schema(tool.name):
-                self.guard.register(tool.name, tool)
+                self.guard.register(tool.name, model_schema(tool, self._injected.of(tool)))
             args = model_arguments(args, self._injected.of(tool))
         runtime = request.runtime
         return intent_from_call({**call, "args": args}, agent=self._agent(request),
