@@ -69,6 +69,7 @@ from toolguard.steps.shadow import ShadowRow
 from toolguard.steps.validate import facts_of, prepare
 from toolguard.store import AsyncGuardedStore, GuardedStore
 from toolguard.store.base import AuditEntry, was_audited
+from toolguard.store.policy_versions import PolicyRecorder
 from toolguard.store.recovery import arun_fenced, run_fenced
 
 __all__ = ["FAILURE_TEMPLATE", "REJECTION_TEMPLATE", "Decision", "DecisionKind", "ToolFailed",
@@ -154,6 +155,8 @@ class ToolGuard:
         self.async_store = async_store
         self._models: dict[str, type[BaseModel]] = {}
         self._schema = SchemaCheck()
+        #: Writes each policy version's text to the store once, before its first decision.
+        self._versions = PolicyRecorder()
         self.controls = Controls.build(
             self._policy, store=store, async_store=async_store, quotas=quotas,
             async_quotas=async_quotas, pauses=pauses, pause_cache_s=pause_cache_s,
@@ -242,6 +245,7 @@ class ToolGuard:
             try:
                 locks, store = self._sync_edges()
                 self._schema.check(store)
+                self._versions.record(store, state.policy)
                 check_pause(self.controls.pauses, intent)
                 state.prepared = self._traced_prepare(state, call)
                 approved = approve(
@@ -348,6 +352,7 @@ class ToolGuard:
             try:
                 locks, store = self._async_edges()
                 await self._schema.acheck(store)
+                await self._versions.arecord(store, state.policy)
                 await acheck_pause(self.controls.async_pauses, intent)
                 state.prepared = self._traced_prepare(state, call)
 
