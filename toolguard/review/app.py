@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Any
 from datetime import UTC, datetime
 
 import jinja2
@@ -172,7 +173,7 @@ class _Review:
             self._versions[digest] = found
         return found
 
-    def rules(self, entry: AuditEntry) -> dict[str, object]:
+    def rules(self, entry: AuditEntry) -> dict[str, Any]:
         """The deciding rule (from the stored version) and, with ``--policy``, the file's."""
         deciding = self.deciding(entry.policy_version)
         rule: RuleView | None = deciding.rule_for(entry) if deciding else None
