@@ -11,6 +11,7 @@ page has no script at all (the CSP forbids one).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 from datetime import UTC, datetime
@@ -35,6 +36,7 @@ from toolguard.review.security import (
     ReadOnly,
     SecurityHeaders,
     TokenGate,
+    Unambiguous,
     check_token,
 )
 from toolguard.review.views import (
@@ -55,6 +57,7 @@ __all__ = ["ATTEMPTS_LIMIT", "SCAN_LIMIT", "create_app"]
 SCAN_LIMIT = 20_000
 ATTEMPTS_LIMIT = 200
 _MAX_ID = 2**63 - 1
+_ENTRY_ID = re.compile(r"[0-9]{1,19}")
 #: Stored policy versions kept loaded (each is a parsed policy: a few KB).
 VERSIONS_CACHED = 32
 
@@ -78,10 +81,11 @@ def create_app(store: GuardedStore, *,
             else Middleware(LoopbackHosts, extra=tuple(allowed_hosts)))
     routes = [
         Route("/", review.list_page, methods=["GET"], name="list"),
-        Route("/entry/{entry_id:int}", review.entry_page, methods=["GET"], name="entry"),
+        Route("/entry/{entry_id}", review.entry_page, methods=["GET"], name="entry"),
         Mount("/static", StaticFiles(packages=[("toolguard.review", "static")]), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders), Middleware(ReadOnly), gate],
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders), Middleware(Unambiguous),
+                                                Middleware(ReadOnly), gate],
                      exception_handlers={ToolGuardError: review.store_error})
 
 
@@ -138,12 +142,14 @@ class _Review:
             more_url=page.url(limit=str(min(page.limit * 2, MAX_LIMIT))))
 
     def entry_page(self, request: Request) -> Response:
-        entry_id: int = request.path_params["entry_id"]
+        text: str = request.path_params["entry_id"]
+        entry_id = int(text) if _ENTRY_ID.fullmatch(text) else 0  # 19 digits at most: no bignum
         found = (self.store.query_audit(after_id=entry_id - 1, limit=1, newest_first=False)
                  if 0 < entry_id <= _MAX_ID else [])
         if not found or found[0].id != entry_id:
+            shown = text if len(text) <= 40 else text[:40] + "…"
             return self.render(request, "error.html", status=404, title="No such entry",
-                               message=f"There is no audit entry #{entry_id} in this store.")
+                               message=f"There is no audit entry #{shown} in this store.")
         entry = found[0]
         attempts: list[AuditEntry] = []
         if entry.idempotency_key:
