@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
-from typing import Any
 from datetime import UTC, datetime
+from typing import Any
 
 import jinja2
 from markupsafe import Markup

@@ -105,6 +105,7 @@ from urllib.parse import urlparse
 
 from toolguard.errors import ConfigurationError
 from toolguard.extras import require
+from toolguard.store.autoseal import AutoSeal
 from toolguard.store.base import (
     DECISIONS,
     SQLSTATES,
@@ -125,7 +126,6 @@ from toolguard.store.base import (
     latest_version,
     migrations,
 )
-from toolguard.store.autoseal import AutoSeal
 from toolguard.store.chain import (
     GENESIS,
     AuditVerification,

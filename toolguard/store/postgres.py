@@ -68,6 +68,7 @@ from toolguard.errors import (
     StoreError,
     ToolGuardError,
 )
+from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSeal, AutoSealer
 from toolguard.store.base import (
     AUDIT_COLUMNS,
     AUDIT_SELECT,
@@ -92,7 +93,6 @@ from toolguard.store.base import (
     schema_missing,
 )
 from toolguard.store.chain import AuditVerification, ExportResult, SealResult
-from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSeal, AutoSealer
 from toolguard.store.sealing import MAX_SEAL_ROWS, check_anchors, pg_export, pg_seal, pg_verify
 
 __all__ = [

@@ -54,6 +54,7 @@ from toolguard.errors import (
     StoreError,
     ToolGuardError,
 )
+from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSeal, AutoSealer
 from toolguard.store.base import (
     AUDIT_COLUMNS,
     AUDIT_SELECT,
@@ -86,7 +87,6 @@ from toolguard.store.chain import (
     SealResult,
     sqlite_row_hash,
 )
-from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSeal, AutoSealer
 from toolguard.store.sealing import (
     MAX_SEAL_ROWS,
     check_anchors,
