@@ -4,8 +4,9 @@ Read-only by construction: every route is a GET, and the only store calls are
 ``query_audit``, ``high_waters`` and reading a stored policy version by digest.
 The endpoints are plain functions, so Starlette runs them in its thread pool
 and the sync store serves them as it serves the CLI. Everything shown comes
-from the audit log, which holds what models sent: it goes through Jinja2's autoescaping and nowhere else, and the
-page has no script at all (the CSP forbids one).
+from the audit log, which holds what models sent: it goes through Jinja2's
+autoescaping and nowhere else, and the page has no script at all (the CSP
+forbids one).
 """
 
 from __future__ import annotations
