@@ -253,10 +253,11 @@ def unsealed_notes(report: AuditVerification) -> list[str]:
     if report.dialect == "sqlite":
         return [f"{rows} are covered by their own hash and by their ids (SQLite hands them out "
                 f"without gaps): a deleted row is found, but a row changed together with its "
-                f"row hash is not until a seal covers it; {bound}"]
+                f"row hash is not, now or later (a seal covers the rows as it finds them); "
+                f"{bound}"]
     return [f"{rows} are covered only by their own hash: a deletion among them, or a row "
-            f"changed together with its row hash, leaves no trace until a seal covers them; "
-            f"{bound}"]
+            f"changed together with its row hash, leaves no trace, now or later (a seal covers "
+            f"the rows as it finds them); {bound}"]
 
 
 def retention_problems(io: ChainIO, retention: Retention) -> list[Problem]:
