@@ -838,6 +838,12 @@ def _render_verification(report: AuditVerification, where: str) -> None:
               f"{report.unsealed:,} not sealed yet"
               + (" (`toolguard audit seal` seals them)" if report.unsealed else ""),
               soft_wrap=True)
+    from toolguard.store.autoseal import DEFAULT_AUTOSEAL
+
+    oldest = (f"; the oldest row not sealed yet was written {_when(report.oldest_unsealed)}"
+              if report.oldest_unsealed else "")
+    out.print(f"  sealing toolguard stores seal the rows they write {DEFAULT_AUTOSEAL.describe()} "
+              f"(the default){oldest}", soft_wrap=True)
     start = ("the start of the log" if report.start.seq == 0 else
              f"the exported range's last seal #{report.start.seq} (ids up to "
              f"{report.start.last_id} exported)")
