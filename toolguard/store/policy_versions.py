@@ -181,6 +181,9 @@ class PolicyRecorder:
         key = (id(store), policy.digest)
         if key in self._done:
             return
+        if getattr(store, "dialect", None) not in _INSERT:  # a store of the user's own making
+            self._done.add(key)
+            return
         try:
             record_policy_text(store, self._text(policy))
         except Exception as error:  # the decision stands; the next call tries again
@@ -191,6 +194,9 @@ class PolicyRecorder:
     async def arecord(self, store: Any, policy: Policy) -> None:
         key = (id(store), policy.digest)
         if key in self._done:
+            return
+        if getattr(store, "dialect", None) not in _INSERT:
+            self._done.add(key)
             return
         try:
             text = self._text(policy) if policy.digest in self._texts else \
