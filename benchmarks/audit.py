@@ -1,4 +1,4 @@
-"""What the tamper-evident audit log costs a guarded call: 8 agents, row hash on and off.
+"""What the tamper-evident audit log costs a guarded call: 8 agents, row hash and sealing.
 
     python benchmarks/audit.py [--threads N] [--seconds S] [--rounds R] [--quick] [--plain]
                                [--redis-url URL] [--database-url URL]
@@ -13,11 +13,14 @@ Variants, interleaved in rounds (each round starting with another variant) so
 that slow drifts of a shared machine, and the growing table, hit them alike:
 
 * ``hash off``: the row-hash trigger disabled (``ALTER TABLE toolguard_audit
-  DISABLE TRIGGER toolguard_audit_row_hash``): the audit row as it was before
-  the log became tamper-evident (the ``policy_version`` column is there, NULL);
-* ``hash on``: every audit row hashed by the trigger (the shipped setup);
-* ``hash on + sealer``: the same while a thread seals the log every
-  ``--seal-every`` seconds (``store.seal_audit()``), as a cron job would.
+  DISABLE TRIGGER toolguard_audit_row_hash``) and no sealing: the audit row as
+  it was before the log became tamper-evident (the ``policy_version`` column is
+  there, NULL);
+* ``hash on``: every audit row hashed by the trigger, no sealing;
+* ``hash on + autoseal``: the shipped default: the store seals the rows it
+  writes every 1,000 rows or 1 s (``toolguard.store.autoseal``);
+* ``hash on + sealer``: row hashes, no autoseal, while a thread seals the log
+  every ``--seal-every`` seconds (``store.seal_audit()``), as a cron job would.
 
 Calls per second and p50/p99 per variant, the ratio to ``hash off``, and the
 median over the rounds of each round's own ratio (robust to a noisy round). At the
@@ -118,10 +121,23 @@ class Sealer:
                 return
 
 
+def set_autoseal(setup: Setup, on: bool) -> None:
+    """Swap the store's sealer: the shipped default (``AutoSeal()``) or none."""
+    from functools import partial
+
+    from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSealer
+
+    store: Any = setup.store
+    store.sealer.close()
+    every = DEFAULT_AUTOSEAL if on else None
+    store.sealer = AutoSealer(partial(store.seal_audit, wait_s=DEFAULT_AUTOSEAL.wait_s), every)
+
+
 def run_variant(setup: Setup, name: str, call: Callable[[str], None], seconds: float,
                 threads: int, seal_every: float, hashed: bool) -> Load:
     if hashed:  # a schema without the row hash has the one variant, "hash off"
         set_row_hash(setup, name != "hash off")
+    set_autoseal(setup, name.endswith("autoseal"))
     if name.endswith("sealer"):
         with Sealer(setup, seal_every) as sealer:
             load = throughput(call, seconds, threads)
@@ -158,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         hashed = has_row_hash(setup)
-        variants = ["hash off", "hash on", "hash on + sealer"] if hashed else ["hash off"]
+        variants = (["hash off", "hash on", "hash on + autoseal", "hash on + sealer"] if hashed
+                    else ["hash off"])
         print(f"toolguard audit log cost; {args.threads} threads; {seconds:g} s per variant in "
               f"{args.rounds} interleaved rounds; python {sys.version.split()[0]}"
               + ("" if hashed else "; this schema has no row hash (before migration 005)"))

@@ -70,6 +70,7 @@ from toolguard.steps.validate import facts_of, prepare
 from toolguard.steps.wiring import check_slot
 from toolguard.store import AsyncGuardedStore, GuardedStore
 from toolguard.store.base import AuditEntry, mark_audited, was_audited
+from toolguard.store.policy_versions import PolicyRecorder
 from toolguard.store.recovery import arun_fenced, run_fenced
 
 __all__ = ["FAILURE_TEMPLATE", "REJECTION_TEMPLATE", "Decision", "DecisionKind", "ToolFailed",
@@ -163,6 +164,8 @@ class ToolGuard:
         self.async_store = async_store
         self._models: dict[str, type[BaseModel]] = {}
         self._schema = SchemaCheck()
+        #: Writes each policy version's text to the store once, before its first decision.
+        self._versions = PolicyRecorder()
         self.controls = Controls.build(
             self._policy, store=store, async_store=async_store, quotas=quotas,
             async_quotas=async_quotas, pauses=pauses, pause_cache_s=pause_cache_s,
@@ -290,6 +293,7 @@ class ToolGuard:
             try:
                 locks, store = self._sync_edges()
                 self._schema.check(store)
+                self._versions.record(store, state.policy)
                 check_pause(self.controls.pauses, intent)
                 state.prepared = self._traced_prepare(state, call)
                 approved = approve(
@@ -406,6 +410,7 @@ class ToolGuard:
             try:
                 locks, store = self._async_edges()
                 await self._schema.acheck(store)
+                await self._versions.arecord(store, state.policy)
                 await acheck_pause(self.controls.async_pauses, intent)
                 swallowed()
                 state.prepared = self._traced_prepare(state, call)

@@ -78,6 +78,37 @@ def test_show_one_entry_in_full(runner: CliRunner, demo_home: dict) -> None:
     assert data["id"] == stale_id and data["args"]["lead_id"] == "L-103"
 
 
+def test_show_prints_the_rule_of_the_version_that_decided(runner: CliRunner,
+                                                          demo_home: dict) -> None:
+    """No --policy needed: the store keeps the deciding version; --policy compares."""
+    demo = Path(__file__).parents[2] / "toolguard" / "demo"
+    budget = json.loads(audit(runner, demo_home, "--json", "--reason", "budget_exceeded").stdout)
+    (entry,) = budget
+    result = audit(runner, demo_home, "show", str(entry["id"]))
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert f"policy rule  tools.grant_discount.quotas[0] at {demo / 'controls.yml'}:" in text
+    assert "the one that decided" in text and "on_unknown_tool" not in text
+    assert "- {budget: 30, arg: percent" in text
+    compared = audit(runner, demo_home, "show", str(entry["id"]), "--policy",
+                     str(demo / "policy.yml"))
+    assert compared.exit_code == 0, compared.output
+    assert "grant_discount has no rule in this policy version" in compared.stdout
+    assert "another version" in compared.stdout and "on_unknown_tool" not in compared.stdout
+    stale_id = demo_home["report"]["guard_on"]["stale_rejections"][0]
+    same = audit(runner, demo_home, "show", str(stale_id), "--policy", str(demo / "policy.yml"))
+    assert "this same version" in same.stdout and "tools.enrich_lead.locks" in same.stdout
+
+
+def test_decision_all_lists_every_decision(runner: CliRunner, demo_home: dict) -> None:
+    """As on the review page, `all` means every decision."""
+    every = json.loads(audit(runner, demo_home, "--json", "--decision", "all", "-n", "0").stdout)
+    listed = json.loads(audit(runner, demo_home, "list", "--json", "-n", "0").stdout)
+    assert len(every) == len(listed) and {r["decision"] for r in every} >= {"accepted", "rejected"}
+    stats = audit(runner, demo_home, "stats", "--decision", "all", "--json")
+    assert stats.exit_code == 0 and json.loads(stats.stdout)["total"] == len(every)
+
+
 def test_redacted_arguments_stay_redacted(runner: CliRunner, demo_home: dict) -> None:
     rows = json.loads(audit(runner, demo_home, "--json", "--tool", "verify_email", "-n", "0").stdout)
     assert rows and all(r["args"]["email"] == "[redacted]" for r in rows if r["args"])

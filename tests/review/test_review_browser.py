@@ -199,3 +199,37 @@ def test_hostile_agent_detail_and_arguments_read_as_text_in_chromium(
         assert "bob\\u202egnp.exe" in page.locator("p.who-line").inner_text()
         assert tab.problems == []
         page.close()
+
+
+#: Elements that may be wider than the screen because they scroll inside themselves.
+_SCROLLERS = "pre.source, table.plain"
+
+
+def test_the_pages_fit_a_phone_screen(browser: Any, demo_store: GuardedStore,
+                                      tmp_path: Path) -> None:
+    """At 390 px (a phone) nothing is wider than the screen: the page never scrolls sideways,
+    the list's rows are cards, and only the policy's source and the attempts table scroll
+    inside themselves."""
+    refused = demo_store.query_audit(decision="rejected", limit=None)
+    pages = {"list": "/", "all": "/?decision=all", "errors": "/?decision=all&tool=set_tier"
+             "&since=last%20tuesday&limit=0",
+             **{f"entry-{e.id}": f"/entry/{e.id}" for e in refused}}
+    with serving(create_app(demo_store)) as base:
+        page = browser.new_page(viewport={"width": 390, "height": 844})
+        try:
+            for name, path in pages.items():
+                page.goto(base + path)
+                width, client = page.evaluate(
+                    "[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+                assert client == 390 and width <= client, (name, width)
+                wide = page.evaluate(f"""() => Array.from(document.querySelectorAll('body *'))
+                    .filter(e => !e.closest({_SCROLLERS!r}) && e.getClientRects().length
+                            && e.getBoundingClientRect().right > 391)
+                    .map(e => e.tagName + '.' + e.className)""")
+                assert wide == [], (name, wide)
+                page.screenshot(path=str(tmp_path / f"phone-{name}.png"), full_page=True)
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            for shot in ("list", "errors", f"entry-{refused[0].id}"):
+                shutil.copy(tmp_path / f"phone-{shot}.png", ARTIFACTS / f"phone-{shot}.png")
+        finally:
+            page.close()

@@ -172,11 +172,47 @@ def test_a_refusal_page_points_at_the_rule_that_refused(demo_site: str, demo_sto
         assert re.search(rf'<span class="line marked"><span class="number">{line}</span>', body), reason
 
 
-def test_without_a_policy_the_page_says_how_to_get_the_rule(demo_store: GuardedStore) -> None:
-    entry = demo_store.query_audit(decision="rejected", limit=1)[0]
+def test_without_flags_every_refusal_shows_the_rule_of_the_version_that_decided(
+        demo_store: GuardedStore) -> None:
+    """The store keeps each policy version a guard decided under: no --policy needed, and
+    a budget refusal points at the tool's quota, never at the unknown-tool default."""
+    refused = demo_store.query_audit(decision="rejected", limit=None)
+    assert {e.reason for e in refused} >= {"stale_fencing_token", "not_authorized",
+                                           "budget_exceeded", "approval_required"}
     with serving(create_app(demo_store)) as base:
-        body = fetch(base, f"/entry/{entry.id}").body
-    assert "toolguard serve --policy FILE" in body and 'class="location"' not in body
+        for entry in refused:
+            body = fetch(base, f"/entry/{entry.id}").body
+            assert entry.policy_version and f"{entry.policy_version[:12]}</code>, the one that " \
+                "decided" in body, (entry.id, entry.reason)
+            assert 'class="location"' in body and "has no rule in this policy" not in body, \
+                (entry.id, entry.reason)
+            if entry.reason == "budget_exceeded":
+                assert "on_unknown_tool" not in body
+                assert f"tools.{entry.tool}.quotas[0]" in body
+                assert re.search(r'<span class="line marked"><span class="number">\d+</span>'
+                                 r'\s*- \{budget: 30', body), body
+        stale = demo_store.query_audit(reason="stale_fencing_token", limit=1)[0]
+        body = fetch(base, f"/entry/{stale.id}").body
+        line = _line_of(DEMO_POLICY, "enrich_lead:", "locks:")
+        assert f'<code class="location">{DEMO_POLICY}:{line}</code>' in body
+
+
+def test_with_a_policy_on_disk_the_page_compares_it(demo_store: GuardedStore,
+                                                     tmp_path: Path) -> None:
+    budget = demo_store.query_audit(reason="budget_exceeded", limit=1)[0]
+    stale = demo_store.query_audit(reason="stale_fencing_token", limit=1)[0]
+    edited = tmp_path / "policy.yml"
+    edited.write_text(DEMO_POLICY.read_text(encoding="utf-8").replace("ttl_ms: ", "ttl_ms: 1"),
+                      encoding="utf-8")
+    with serving(create_app(demo_store, policy=DEMO_POLICY)) as base:
+        assert "is this same version" in fetch(base, f"/entry/{stale.id}").body
+        body = fetch(base, f"/entry/{budget.id}").body  # decided under the controls' policy
+        assert "is another version" in body and f"tools.{budget.tool}.quotas" in body
+        assert "has no rule in this policy version" in body  # the file does not know the tool
+        assert "on_unknown_tool" not in body
+    with serving(create_app(demo_store, policy=edited)) as base:
+        body = fetch(base, f"/entry/{stale.id}").body
+        assert "is another version" in body and f"{edited}:" in body
 
 
 @pytest.mark.parametrize("path", ["/entry/0", "/entry/999999", f"/entry/{2**64}", "/entry/-1",

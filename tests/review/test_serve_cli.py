@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from review.helpers import DEMO_POLICY, fetch, served_by_the_cli
+from review.helpers import DEMO_POLICY, ENV, fetch, served_by_the_cli
 from toolguard.cli import app
+from toolguard.store import open_store
 
 
 @pytest.fixture
@@ -105,3 +106,26 @@ def test_the_command_takes_the_store_and_the_token_from_the_environment(demo_hom
         assert page.status == 200 and "stale_fencing_token" in page.body
         assert process.stdout is not None
         assert "needs the access token" in process.stdout.readline()
+
+
+def test_serve_after_the_demo_shows_each_refusals_rule_as_the_docs_do(tmp_path: Path) -> None:
+    """docs/review.md: `toolguard demo`, then `toolguard serve`, in the same folder, no flags:
+    each refusal's page names the rule of the policy version that decided."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ENV}  # the embedded default
+    demo = subprocess.run([sys.executable, "-m", "toolguard", "demo"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stderr
+    store = open_store(f"sqlite:///{tmp_path}/.toolguard/store.db")
+    try:
+        refused = store.query_audit(decision="rejected", limit=None)
+    finally:
+        store.close()
+    with served_by_the_cli() as (base, _):  # cwd is tmp_path (the conftest's)
+        for entry in refused:
+            body = fetch(base, f"/entry/{entry.id}").body
+            assert 'class="location"' in body and "the one that decided" in body, entry.reason
+            if entry.reason == "budget_exceeded":
+                assert "on_unknown_tool" not in body and "quotas[0]" in body

@@ -26,6 +26,14 @@ from toolguard.errors import AuditAppendOnly, ConfigurationError, StoreError
 from toolguard.store import AuditEntry, GuardedStore, IntentRecord, migrations, read_export
 from toolguard.store.chain import CANONICAL_FIELDS, pg_canonical, sqlite_canonical
 
+
+@pytest.fixture(autouse=True)
+def _seal_by_hand(request: pytest.FixtureRequest) -> None:
+    """These tests seal by hand: a store's automatic sealing would race them."""
+    if "env" in request.fixturenames:
+        request.getfixturevalue("env").options["autoseal"] = None
+
+
 #: The append-only triggers, per dialect and table.
 PG_GUARDS = {"toolguard_audit": "toolguard_audit_append_only",
              "toolguard_audit_seal": "toolguard_audit_seal_append_only",
@@ -214,13 +222,18 @@ def test_a_row_inserted_into_a_sealed_range_is_pinpointed(store: GuardedStore) -
     write_log(store, 4)
     tamper(store, "DELETE FROM toolguard_audit WHERE id = 2")  # a gap, as a rollback leaves
     store.seal_audit()
-    assert store.verify_audit().ok
+    skipped = [] if store.dialect == "postgresql" else [("row_deleted", 2, 1)]
+    assert [(p.kind, p.row_id, p.seal) for p in store.verify_audit().problems] == skipped
     columns = "id, at, decision, reason, tool"
     at = "now()" if store.dialect == "postgresql" else "'2030-01-01T00:00:00.000Z'"
     rows(store, f"INSERT INTO toolguard_audit ({columns}) VALUES (2, {at}, 'accepted', "
                 f"'applied', 'forged')")  # inserts are allowed: no trigger to switch off
     report = store.verify_audit()
-    assert [(p.kind, p.row_id, p.seal) for p in report.problems] == [("row_inserted", 2, 1)]
+    if store.dialect == "postgresql":
+        assert [(p.kind, p.row_id, p.seal) for p in report.problems] == [("row_inserted", 2, 1)]
+    else:  # the row the seal skipped is back, but not the one the seal would have listed
+        assert [(p.kind, p.row_id, p.seal) for p in report.problems] == [
+            ("row_inserted", 2, 1), ("row_deleted", 2, 1)]
     assert "row #2 inserted into seal #1 (ids 1..4): not in the seal" in report.problems[0].message
 
 

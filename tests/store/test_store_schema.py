@@ -27,8 +27,10 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 
 EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
                                       (3, "003_stale_blockers_exact_results"), (4, "004_controls"),
-                                      (5, "005_tamper_evident_audit"), (6, "006_replay_keeps_intent")],
-                       "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit")]}
+                                      (5, "005_tamper_evident_audit"), (6, "006_replay_keeps_intent"),
+                                      (7, "007_policy_versions")],
+                       "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit"),
+                                  (4, "004_policy_versions")]}
 
 
 def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:

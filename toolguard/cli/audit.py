@@ -198,9 +198,11 @@ def _moment(value: str | None, option: str) -> datetime | None:
 
 def _decisions(values: list[str] | None, rejected: bool, shadow: bool = False) -> tuple[str, ...]:
     chosen = [v.strip().lower() for v in values or []]
+    if "all" in chosen:  # as on the review page: every decision (() filters none)
+        return ()
     for value in chosen:
         if value not in DECISIONS:
-            msg = f"{value!r} is not a decision; choose from {', '.join(DECISIONS)}"
+            msg = f"{value!r} is not a decision; choose from {', '.join(DECISIONS)} (or all)"
             raise typer.BadParameter(msg, param_hint="--decision")
     if rejected and "rejected" not in chosen:
         chosen.append("rejected")
@@ -315,15 +317,36 @@ def show_command(
     entry_text: Annotated[str, typer.Argument(
         metavar="ID", help="The entry's id (the first column of `toolguard audit`, e.g. 27 or #27).",
         show_default=False)],
+    policy: Annotated[list[Path] | None, typer.Option(
+        "--policy", metavar="FILE", exists=True, readable=True,
+        help="Compare the rule that decided with this policy file or folder (repeatable).",
+        show_default=False)] = None,
     json_out: JsonOpt = False, csv_out: CsvOpt = False,
     url: UrlOption = None, schema: SchemaOption = None, timeout: TimeoutOption = 5.0,
 ) -> None:
-    """Show one audit entry in full: keys, tokens, redacted arguments, the whole detail."""
+    """Show one audit entry in full: keys, tokens, redacted arguments, the whole detail, and
+    the policy rule of the version that decided (as the store keeps it)."""
+    from toolguard.review.rules import PolicySource
+    from toolguard.store.policy_versions import read_policy_text
+
     fmt = _format(json_out, csv_out)
     entry_id = _entry_id(entry_text)
+    on_disk: PolicySource | None = None
+    if policy:
+        with failures("--policy"):
+            on_disk = PolicySource(policy)
     filters = _parent(ctx).merged(AuditFilters(url=url, schema=schema, timeout=timeout))
+    deciding: PolicySource | None = None
     with _store(filters) as store:
         found = store.query_audit(after_id=entry_id - 1, limit=1, newest_first=False)
+        if found and found[0].id == entry_id and found[0].policy_version and fmt == "table":
+            from toolguard.errors import ToolGuardError
+
+            try:
+                text = read_policy_text(store, found[0].policy_version)
+            except ToolGuardError:  # a store without the table (schema before 7)
+                text = None
+            deciding = PolicySource.stored(text) if text is not None else None
     if not found or found[0].id != entry_id:
         fail(f"no audit entry with id {entry_id} in {redact(resolve_store_url(filters.url))}",
              EXIT_USAGE)
@@ -357,6 +380,47 @@ def show_command(
                                        lines=True) if entry.args is not None else "-"))
     table.add_row("detail", Text(visible(entry.detail or "-", lines=True)))
     out.print(table)
+    _print_rules(out, entry, deciding, on_disk)
+
+
+def _print_rules(out: Any, entry: AuditEntry, deciding: Any, on_disk: Any) -> None:
+    """The rule of the version that decided, and how the policy on disk compares."""
+    version = entry.policy_version
+    if deciding is not None:
+        _print_rule(out, deciding.rule_for(entry),
+                    f"policy version {visible(version or '')[:12]}, the one that decided")
+    elif version:
+        out.print(Text(f"policy rule  the store does not keep version {visible(version)[:12]} "
+                       f"(it decided before the store kept versions, or another program wrote "
+                       f"the entry)", style="dim"), soft_wrap=True)
+    if on_disk is None:
+        return
+    if deciding is not None and on_disk.digest == deciding.digest:
+        out.print(Text(f"on disk      {visible(on_disk.label)}: this same version", style="dim"),
+                  soft_wrap=True)
+        return
+    _print_rule(out, on_disk.rule_for(entry),
+                f"on disk: {on_disk.label}, version {on_disk.digest[:12]}"
+                + (", another version" if version else ""))
+
+
+def _print_rule(out: Any, rule: Any, origin: str) -> None:
+    if rule is None:
+        out.print(Text(f"policy rule  none: the entry names no tool ({visible(origin)})",
+                       style="dim"), soft_wrap=True)
+        return
+    if rule.location is None:
+        what = f"{visible(rule.tool)} has no rule in this policy version"
+    else:
+        where = f" at {visible(str(rule.location))}" if rule.location.file else ""
+        what = (f"{rule.field or 'tools.' + rule.tool}{where}" if rule.known else
+                f"{visible(rule.tool)} is not in the policy: {rule.field}{where}")
+    out.print(Text.assemble(("policy rule  ", "bold"), visible(what), (f"  ({visible(origin)})",
+                                                                      "dim")), soft_wrap=True)
+    for line in rule.lines:
+        mark = ">" if line.marked else " "
+        out.print(Text(f"  {mark}{line.number:>5}  {visible(line.text)}",
+                       style="bold" if line.marked else ""), soft_wrap=True)
 
 
 @audit_app.command("stats")
@@ -774,6 +838,12 @@ def _render_verification(report: AuditVerification, where: str) -> None:
               f"{report.unsealed:,} not sealed yet"
               + (" (`toolguard audit seal` seals them)" if report.unsealed else ""),
               soft_wrap=True)
+    from toolguard.store.autoseal import DEFAULT_AUTOSEAL
+
+    oldest = (f"; the oldest row not sealed yet was written {_when(report.oldest_unsealed)}"
+              if report.oldest_unsealed else "")
+    out.print(f"  sealing toolguard stores seal the rows they write {DEFAULT_AUTOSEAL.describe()} "
+              f"(the default){oldest}", soft_wrap=True)
     start = ("the start of the log" if report.start.seq == 0 else
              f"the exported range's last seal #{report.start.seq} (ids up to "
              f"{report.start.last_id} exported)")

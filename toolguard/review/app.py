@@ -1,18 +1,21 @@
 """The review page as a Starlette app: the list of decisions and one page per decision.
 
 Read-only by construction: every route is a GET, and the only store calls are
-``query_audit`` and ``high_waters``. The endpoints are plain functions, so
-Starlette runs them in its thread pool and the sync store serves them as it
-serves the CLI. Everything shown comes from the audit log, which holds what
-models sent: it goes through Jinja2's autoescaping and nowhere else, and the
-page has no script at all (the CSP forbids one).
+``query_audit``, ``high_waters`` and reading a stored policy version by digest.
+The endpoints are plain functions, so Starlette runs them in its thread pool
+and the sync store serves them as it serves the CLI. Everything shown comes
+from the audit log, which holds what models sent: it goes through Jinja2's
+autoescaping and nowhere else, and the page has no script at all (the CSP
+forbids one).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from datetime import UTC, datetime
+from typing import Any
 
 import jinja2
 from markupsafe import Markup
@@ -28,12 +31,13 @@ from toolguard.cli.audit import REASONS, visible
 from toolguard.errors import ToolGuardError
 from toolguard.review.chart import decisions_chart
 from toolguard.review.filters import MAX_LIMIT, PARAMS, PageFilters, parse_filters
-from toolguard.review.rules import PolicySource
+from toolguard.review.rules import PolicySource, RuleView
 from toolguard.review.security import (
     LoopbackHosts,
     ReadOnly,
     SecurityHeaders,
     TokenGate,
+    Unambiguous,
     check_token,
 )
 from toolguard.review.views import (
@@ -45,6 +49,7 @@ from toolguard.review.views import (
     why,
 )
 from toolguard.store import AuditEntry, GuardedStore
+from toolguard.store.policy_versions import read_policy_text
 from toolguard.store.postgres import redact
 
 __all__ = ["ATTEMPTS_LIMIT", "SCAN_LIMIT", "create_app"]
@@ -53,6 +58,9 @@ __all__ = ["ATTEMPTS_LIMIT", "SCAN_LIMIT", "create_app"]
 SCAN_LIMIT = 20_000
 ATTEMPTS_LIMIT = 200
 _MAX_ID = 2**63 - 1
+_ENTRY_ID = re.compile(r"[0-9]{1,19}")
+#: Stored policy versions kept loaded (each is a parsed policy: a few KB).
+VERSIONS_CACHED = 32
 
 
 def create_app(store: GuardedStore, *,
@@ -63,7 +71,8 @@ def create_app(store: GuardedStore, *,
 
     Without ``token`` it answers only requests addressed to a loopback name
     (plus ``allowed_hosts``); with one, every page needs it. ``policy`` (a
-    ``PolicySource`` or policy paths) adds the rule behind each decision.
+    ``PolicySource`` or policy paths) is compared with the version that decided, which
+    the store keeps (``toolguard.store.policy_versions``) and the page shows.
     """
     if token is not None:
         check_token(token)
@@ -73,10 +82,11 @@ def create_app(store: GuardedStore, *,
             else Middleware(LoopbackHosts, extra=tuple(allowed_hosts)))
     routes = [
         Route("/", review.list_page, methods=["GET"], name="list"),
-        Route("/entry/{entry_id:int}", review.entry_page, methods=["GET"], name="entry"),
+        Route("/entry/{entry_id}", review.entry_page, methods=["GET"], name="entry"),
         Mount("/static", StaticFiles(packages=[("toolguard.review", "static")]), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders), Middleware(ReadOnly), gate],
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders), Middleware(Unambiguous),
+                                                Middleware(ReadOnly), gate],
                      exception_handlers={ToolGuardError: review.store_error})
 
 
@@ -105,6 +115,7 @@ class _Review:
                  *, token_required: bool) -> None:
         self.store = store
         self.policy = policy
+        self._versions: dict[str, PolicySource] = {}
         self.templates = Jinja2Templates(env=_environment())
         self.common = {"store_label": store_label,
                        "policy_label": policy.label if policy else "",
@@ -132,12 +143,14 @@ class _Review:
             more_url=page.url(limit=str(min(page.limit * 2, MAX_LIMIT))))
 
     def entry_page(self, request: Request) -> Response:
-        entry_id: int = request.path_params["entry_id"]
+        text: str = request.path_params["entry_id"]
+        entry_id = int(text) if _ENTRY_ID.fullmatch(text) else 0  # 19 digits at most: no bignum
         found = (self.store.query_audit(after_id=entry_id - 1, limit=1, newest_first=False)
                  if 0 < entry_id <= _MAX_ID else [])
         if not found or found[0].id != entry_id:
+            shown = text if len(text) <= 40 else text[:40] + "…"
             return self.render(request, "error.html", status=404, title="No such entry",
-                               message=f"There is no audit entry #{entry_id} in this store.")
+                               message=f"There is no audit entry #{shown} in this store.")
         entry = found[0]
         attempts: list[AuditEntry] = []
         if entry.idempotency_key:
@@ -146,9 +159,37 @@ class _Review:
         high = self.store.high_waters(entry.keys) if entry.keys else {}
         return self.render(
             request, "entry.html", entry=entry, attempts=attempts, attempts_limit=ATTEMPTS_LIMIT,
-            high=high, model=model_message(entry),
-            rule=self.policy.rule_for(entry) if self.policy else None,
+            high=high, model=model_message(entry), **self.rules(entry),
             back=parse_filters({}).url(), page=parse_filters({"decision": ["all"]}))
+
+    def deciding(self, digest: str | None) -> PolicySource | None:
+        """The policy version ``digest`` as the store keeps it (None: not kept, or not intact)."""
+        if not digest:
+            return None
+        found = self._versions.get(digest)
+        if found is not None:
+            return found
+        try:
+            text = read_policy_text(self.store, digest)
+        except ToolGuardError:  # a store without the table (schema before 7): nothing kept
+            return None
+        found = PolicySource.stored(text) if text is not None else None
+        if found is not None:
+            if len(self._versions) >= VERSIONS_CACHED:
+                self._versions.pop(next(iter(self._versions)))
+            self._versions[digest] = found
+        return found
+
+    def rules(self, entry: AuditEntry) -> dict[str, Any]:
+        """The deciding rule (from the stored version) and, with ``--policy``, the file's."""
+        deciding = self.deciding(entry.policy_version)
+        rule: RuleView | None = deciding.rule_for(entry) if deciding else None
+        on_disk = self.policy
+        same = on_disk is not None and deciding is not None and on_disk.digest == deciding.digest
+        disk_rule = on_disk.rule_for(entry) if on_disk is not None and not same else None
+        return {"rule": rule, "version": entry.policy_version, "version_kept": deciding is not None,
+                "disk_rule": disk_rule, "disk_same": same,
+                "disk_digest": on_disk.digest if on_disk is not None else None}
 
     def store_error(self, request: Request, error: Exception) -> Response:
         return self.render(request, "error.html", status=503, title="The store did not answer",

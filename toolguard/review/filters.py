@@ -3,6 +3,12 @@
 The page shows rejected intents unless asked otherwise (``?decision=all``
 shows everything); every other filter means what the same ``toolguard audit``
 option means, times included (``since=2h``, ``until=2025-01-31``).
+
+Every link on the page carries the filters, so their size bounds the page's:
+at most ``MAX_VALUES_PER_FILTER`` values of one filter, ``MAX_VALUES`` in all
+and ``MAX_QUERY_BYTES`` of them URL-encoded; what is beyond is left out and
+reported. ``values`` holds only what was applied (the chips and the links show
+nothing the page rejected); ``typed`` keeps what was typed, for the form.
 """
 
 from __future__ import annotations
@@ -10,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from urllib.parse import urlencode
+from urllib.parse import quote_plus, urlencode
 
 from toolguard.cli._common import parse_moment
 from toolguard.cli.audit import DECISIONS, AuditFilters
 
-__all__ = ["DEFAULT_DECISION", "DEFAULT_LIMIT", "MAX_LIMIT", "PARAMS", "PageFilters", "parse_filters"]
+__all__ = ["DEFAULT_DECISION", "DEFAULT_LIMIT", "MAX_LIMIT", "MAX_QUERY_BYTES", "MAX_VALUES",
+           "MAX_VALUES_PER_FILTER", "PARAMS", "PageFilters", "parse_filters"]
 
 DEFAULT_DECISION = "rejected"
 DEFAULT_LIMIT = 100
@@ -24,6 +31,12 @@ MAX_LIMIT = 5000
 PARAMS = ("decision", "tool", "agent", "reason", "key", "workflow", "since", "until", "limit")
 _MULTI = ("decision", "tool", "agent", "reason")
 _MAX_VALUE = 1000
+#: Values of one repeatable filter (tool, agent, reason, decision) the page applies.
+MAX_VALUES_PER_FILTER = 16
+#: Values of every filter together.
+MAX_VALUES = 32
+#: The applied values, URL-encoded: every link on the page repeats them.
+MAX_QUERY_BYTES = 2048
 #: The times a filter may name: the chart draws buckets in between, from Unix time.
 _EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
 _LATEST = datetime(9999, 1, 1, tzinfo=UTC)
@@ -34,10 +47,12 @@ class PageFilters:
     """What the visitor asked for: the store filters, as typed, and what was wrong with them."""
 
     filters: AuditFilters
-    #: The raw values, to refill the form and build links (``decision`` may hold "all").
+    #: The applied values, to build links and chips (``decision`` may hold "all").
     values: Mapping[str, tuple[str, ...]]
     limit: int = DEFAULT_LIMIT
     errors: tuple[str, ...] = ()
+    #: The first value of each filter as typed (applied or not), to refill the form.
+    typed: Mapping[str, str] | None = None
 
     @property
     def decisions(self) -> tuple[str, ...]:
@@ -50,6 +65,8 @@ class PageFilters:
 
     def value(self, name: str) -> str:
         """The first value of ``name`` as typed ("" if none), for the form."""
+        if self.typed is not None:
+            return self.typed.get(name, "")
         return next(iter(self.values.get(name, ())), "")
 
     def url(self, path: str = "/", /, **changes: str | Sequence[str] | None) -> str:
@@ -67,12 +84,28 @@ class PageFilters:
 def parse_filters(query: Mapping[str, Sequence[str]]) -> PageFilters:
     """Read the query parameters; a bad value is reported in ``errors`` and left out."""
     values: dict[str, tuple[str, ...]] = {}
+    errors: list[str] = []
+    typed: dict[str, str] = {}
+    budget, room = MAX_VALUES, MAX_QUERY_BYTES
     for name in PARAMS:
-        raw = [item.strip()[:_MAX_VALUE] for item in query.get(name, ())]
+        given = query.get(name, ())
+        typed[name] = next((item.strip() for item in given if item.strip()), "")[:_MAX_VALUE]
+        # one pass over what the server parsed (its request size bounds it); a value twice is one
+        raw = list(dict.fromkeys(v for v in (item.strip()[:_MAX_VALUE] for item in given) if v))
         if name not in _MULTI:
             raw = raw[:1]
-        values[name] = tuple(item for item in raw if item)
-    errors: list[str] = []
+        kept: list[str] = []
+        for item in raw[:MAX_VALUES_PER_FILTER]:
+            size = len(name) + 2 + len(quote_plus(item))
+            if budget == 0 or size > room:
+                break
+            kept.append(item)
+            budget, room = budget - 1, room - size
+        if len(raw) > len(kept):
+            errors.append(f"{name}: {len(raw) - len(kept)} values left out (at most "
+                          f"{MAX_VALUES_PER_FILTER} per filter, {MAX_VALUES} and "
+                          f"{MAX_QUERY_BYTES} bytes in all)")
+        values[name] = tuple(kept)
     for name in PARAMS:
         # No store keeps a NUL in a text column it is asked to match (PostgreSQL refuses one).
         if any("\x00" in item for item in values[name]):
@@ -89,24 +122,30 @@ def parse_filters(query: Mapping[str, Sequence[str]]) -> PageFilters:
         decisions = tuple(dict.fromkeys(d.lower() for d in values["decision"]))
         wrong = [d for d in decisions if d not in DECISIONS]
         if wrong:
-            errors.append(f"decision {wrong[0]!r} is not one of {', '.join(DECISIONS)} (or all)")
-            decisions = tuple(d for d in decisions if d in DECISIONS)
+            errors.append(f"decision {wrong[0][:80]!r} is not one of {', '.join(DECISIONS)} "
+                          f"(or all)")
+            decisions = tuple(d for d in decisions if d in DECISIONS) or (DEFAULT_DECISION,)
+        values["decision"] = decisions
 
     moments: dict[str, datetime | None] = {"since": None, "until": None}
     for name in moments:
         if values[name]:
+            value = values[name][0]
+            shown = value[:80]
+            values[name] = ()  # applied only once it parses
             try:
-                moment = parse_moment(values[name][0])
+                moment = parse_moment(value)
             except ValueError as error:
-                errors.append(f"{name}: {error}")
+                errors.append(f"{name}: {str(error)[:200]}")
                 continue
             except OverflowError:
-                errors.append(f"{name}: {values[name][0]!r} is too far back")
+                errors.append(f"{name}: {shown!r} is too far back")
                 continue
             if not _EARLIEST <= moment < _LATEST:
-                errors.append(f"{name}: {values[name][0]!r} is outside the years 1970 to 9998")
+                errors.append(f"{name}: {shown!r} is outside the years 1970 to 9998")
                 continue
             moments[name] = moment
+            values[name] = (value,)
     since, until = moments["since"], moments["until"]
     if since and until and since >= until:
         errors.append("since is not before until: nothing can match")
@@ -120,11 +159,13 @@ def parse_filters(query: Mapping[str, Sequence[str]]) -> PageFilters:
         except ValueError:
             errors.append(f"limit must be a whole number from 1 to {MAX_LIMIT}")
             limit = DEFAULT_LIMIT
+            values["limit"] = ()
 
     filters = AuditFilters(decision=decisions, reason=values["reason"], tool=values["tool"],
                            agent=values["agent"], key=_one(values["key"]),
                            workflow=_one(values["workflow"]), since=since, until=until)
-    return PageFilters(filters=filters, values=values, limit=limit, errors=tuple(errors))
+    return PageFilters(filters=filters, values=values, limit=limit, errors=tuple(errors),
+                       typed=typed)
 
 
 def _one(items: tuple[str, ...]) -> str | None:

@@ -5,7 +5,11 @@ hostile and the server as something a browser on the same machine could be
 tricked into reading. Three small ASGI layers, outermost first:
 
 - ``SecurityHeaders``: a strict Content-Security-Policy (no script at all, styles
-  and images from this server only, no framing) and friends on every response.
+  and images from this server only, no framing) and friends on every response,
+  errors included: an exception the page did not expect becomes a plain 500
+  with the same headers, never the server's bare one.
+- ``Unambiguous``: a request with two ``Host`` headers (or two ``Authorization``
+  headers) is a 400 (RFC 9110): no layer may read one and another the other.
 - ``ReadOnly``: GET and HEAD only, on every path.
 - ``TokenGate``: with an access token, every page needs it, as
   ``Authorization: Bearer TOKEN`` or the cookie that ``/login?token=TOKEN`` sets.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 from collections.abc import Iterable
 from html import escape
 from http.cookies import SimpleCookie
@@ -29,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from toolguard.errors import ConfigurationError
 
 __all__ = [
+    "AMBIGUOUS_HEADERS",
     "CONTENT_SECURITY_POLICY",
     "COOKIE_NAME",
     "MIN_TOKEN_LENGTH",
@@ -36,6 +42,7 @@ __all__ = [
     "ReadOnly",
     "SecurityHeaders",
     "TokenGate",
+    "Unambiguous",
     "check_token",
     "cookie_value",
     "is_loopback",
@@ -53,6 +60,11 @@ _HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"cross-origin-resource-policy", b"same-origin"),
     (b"cache-control", b"no-store"),
 )
+
+#: Headers a request may carry once at most: which one a layer reads must not matter.
+AMBIGUOUS_HEADERS = (b"host", b"authorization")
+
+log = logging.getLogger("toolguard.review")
 
 COOKIE_NAME = "toolguard_review"
 #: Shorter tokens are refused: the token is the only thing between the network and the log.
@@ -94,14 +106,42 @@ class SecurityHeaders:
             await self.app(scope, receive, send)
             return
 
+        started = False
+
         async def send_with_headers(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 present = {name.lower() for name, _ in message.get("headers", [])}
                 extra = [(name, value) for name, value in _HEADERS if name not in present]
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:  # a bug or a dead store mid-page: logged here, never a bare 500
+            log.exception("the review page failed on %s", scope.get("path", "")[:200])
+            if started:  # the status line is out: the server closes the connection
+                return
+            await _plain(send_with_headers, 500, "The review page failed on this request; "
+                         "the server's log says why.")
+
+
+class Unambiguous:
+    """Refuses a request that carries a header of ``AMBIGUOUS_HEADERS`` twice (400)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = [key.lower() for key, _ in scope.get("headers", [])]
+            twice = [n for n in AMBIGUOUS_HEADERS if names.count(n) > 1]
+            if twice:
+                await _plain(send, 400, f"Two {twice[0].decode().title()} headers: the request "
+                                        f"is ambiguous (RFC 9110).")
+                return
+        await self.app(scope, receive, send)
 
 
 class ReadOnly:

@@ -105,6 +105,7 @@ from urllib.parse import urlparse
 
 from toolguard.errors import ConfigurationError
 from toolguard.extras import require
+from toolguard.store.autoseal import AutoSeal
 from toolguard.store.base import (
     DECISIONS,
     SQLSTATES,
@@ -155,6 +156,7 @@ __all__ = [
     "AuditEntry",
     "AuditQuery",
     "AuditVerification",
+    "AutoSeal",
     "Begun",
     "ChainHead",
     "Decision",
@@ -203,8 +205,9 @@ def open_store(url: str | None = None, *, install: bool = False, **options: Any)
     """A sync ``GuardedStore`` for ``url`` (default: settings, i.e. the embedded SQLite file).
 
     PostgreSQL options: ``schema``, ``min_size``, ``max_size``, ``timeout_s``;
-    SQLite options: ``busy_timeout_ms``, ``synchronous``. ``install=True``
-    installs or upgrades the schema first.
+    SQLite options: ``busy_timeout_ms``, ``synchronous``; both: ``autoseal`` (an
+    ``AutoSeal``, the default seals within 1 s or 1,000 rows and at close; None: seal
+    by hand). ``install=True`` installs or upgrades the schema first.
     """
     if url is None:
         from toolguard.config import Settings

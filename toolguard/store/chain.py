@@ -281,6 +281,8 @@ class AuditVerification:
     #: Rows with no row hash of their own (written before schema 5, or with its trigger off):
     #: a seal covers them once sealed; until then nothing does.
     unhashed: int = 0
+    #: When the oldest row not sealed yet was written (None: every row is sealed).
+    oldest_unsealed: datetime | None = None
     head: ChainHead = field(default_factory=ChainHead)
     start: ChainHead = field(default_factory=ChainHead)
     retention: Retention | None = None
@@ -298,6 +300,8 @@ class AuditVerification:
             "ok": self.ok, "dialect": self.dialect, "rows": self.rows, "first_id": self.first_id,
             "last_id": self.last_id, "seals": self.seals, "sealed_rows": self.sealed_rows,
             "unsealed": self.unsealed, "unhashed": self.unhashed,
+            "oldest_unsealed": None if self.oldest_unsealed is None else
+            sealed_at_text(self.oldest_unsealed),
             "head": {"seal": self.head.seq, "last_id": self.head.last_id, "hash": self.head.hash},
             "start": {"seal": self.start.seq, "after_id": self.start.last_id,
                       "hash": self.start.hash},
@@ -330,6 +334,17 @@ def _runs(ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         yield start, previous, count  # type: ignore[misc]
 
 
+def _gaps(ids: Sequence[int], after_id: int, last_id: int) -> Iterator[tuple[int, int]]:
+    """The ranges ``(first, last)`` of ids in ``(after_id, last_id]`` not in sorted ``ids``."""
+    previous = after_id
+    for row_id in ids:
+        if row_id > previous + 1:
+            yield previous + 1, min(row_id - 1, last_id)
+        previous = max(previous, row_id)
+    if last_id > previous:
+        yield previous + 1, last_id
+
+
 def _rows_text(first: int, last: int, count: int) -> str:
     return f"row #{first}" if count == 1 else f"rows #{first}..#{last} ({count})"
 
@@ -344,6 +359,10 @@ class Verifier:
 
     def __init__(self, dialect: str, start: ChainHead, retention: Retention | None) -> None:
         self.report = AuditVerification(dialect, start=start, head=start, retention=retention)
+        #: SQLite hands out audit ids without gaps (a rolled-back insert takes none back, the
+        #: highest id ever is kept in ``sqlite_sequence``): a missing id is a deleted row.
+        #: PostgreSQL's sequence skips the ids of rolled-back inserts: a gap proves nothing.
+        self.gapless = dialect == "sqlite"
         self._previous = start
         self._hashes: set[str] = {start.hash}
 
@@ -434,6 +453,14 @@ class Verifier:
             report.problems.append(Problem(
                 "row_deleted", f"{_rows_text(first, last, count)} of {seal.describe()} "
                 f"deleted: sealed, no longer in the table", first, seal.seq))
+        if self.gapless:
+            for first, last in _gaps([row_id for row_id, _ in entries], seal.after_id,
+                                     seal.last_id):
+                count = last - first + 1
+                report.problems.append(Problem(
+                    "row_deleted", f"{_rows_text(first, last, count)} deleted before "
+                    f"{seal.describe()} was made: the seal skips {'it' if count == 1 else 'them'}"
+                    f", and SQLite ids have no gaps", first, seal.seq))
 
     def _count(self, row: RowCheck) -> None:
         report = self.report
@@ -459,10 +486,17 @@ class Verifier:
                         f"which no seal covers (a seal was removed?)")
             self.report.problems.append(Problem(kind, text, first))
 
-    def unsealed(self, rows: Iterable[RowCheck]) -> None:
-        """Rows above the head: only their own row hash speaks for them."""
+    def unsealed(self, rows: Iterable[RowCheck], after_id: int = 0,
+                 ceiling: int | None = None) -> None:
+        """Rows above the head (``after_id``): only their own row hash speaks for them, and on
+        SQLite the ids (no gaps up to ``ceiling``, the highest id ever handed out)."""
         report = self.report
+        previous = after_id
+        gaps: list[tuple[int, int]] = []
         for row in rows:
+            if row.id > previous + 1:
+                gaps.append((previous + 1, row.id - 1))
+            previous = max(previous, row.id)
             self._count(row)
             report.unsealed += 1
             if row.computed is None:
@@ -473,6 +507,20 @@ class Verifier:
                 report.problems.append(Problem(
                     "row_unsealed_changed", f"row #{row.id} (not sealed yet) was changed: its "
                     f"content does not match its row hash", row.id))
+        if ceiling is not None and ceiling > previous:
+            gaps.append((previous + 1, ceiling))
+        for first, last in gaps:
+            text = _rows_text(first, last, last - first + 1)
+            if self.gapless:
+                tail = " from the end of the log" if last == ceiling else ""
+                report.problems.append(Problem(
+                    "row_deleted", f"{text} deleted{tail} before a seal covered "
+                    f"{'it' if first == last else 'them'}: SQLite ids have no gaps", first))
+            else:
+                report.notes.append(
+                    f"ids {first}..{last} are missing among the rows not sealed yet: a "
+                    f"transaction that rolled back leaves such a gap on PostgreSQL, so this "
+                    f"proves no deletion")
 
     # anchors and exports
 

@@ -69,6 +69,7 @@ from toolguard.errors import (
     StoreError,
     ToolGuardError,
 )
+from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSeal, AutoSealer
 from toolguard.store.base import (
     AUDIT_COLUMNS,
     AUDIT_SELECT,
@@ -621,6 +622,7 @@ class _Session:
             raise problem
         query, params = _finish_params(tx, entry)
         _hot_cursor(self.conn, "_toolguard_finish").execute(query, params, prepare=False)
+        self.store.sealer.wrote()
 
     def abort(self, error: BaseException) -> BaseException:
         # The ROLLBACK (a replay's COMMIT) goes out with the failure's audit row, in one
@@ -650,22 +652,29 @@ class _Session:
             try:
                 psycopg.ClientCursor(self.conn).execute(query, params)
                 self.commit_pending = False
+                self.store.sealer.wrote()
                 return
             except psycopg.Error:
                 self.settle()  # then try once more below, alone
         if not self.conn.closed and self.conn.info.transaction_status == TransactionStatus.IDLE:
             self.conn.execute(FAILURE, params)
-            return
-        with self.store.connection(timeout=1.0) as other:
-            other.execute(FAILURE, params)
+        else:
+            with self.store.connection(timeout=1.0) as other:
+                other.execute(FAILURE, params)
+        self.store.sealer.wrote()
 
 
 class PostgresStore(_PgBase):
     """The guarded store on PostgreSQL; one pool, shared by every thread of a process."""
 
     def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
-                 max_size: int = 10, timeout_s: float = 10.0) -> None:
+                 max_size: int = 10, timeout_s: float = 10.0,
+                 autoseal: AutoSeal | None = DEFAULT_AUTOSEAL) -> None:
         super().__init__(url, schema)
+        #: Seals the audit rows this store writes (``toolguard.store.autoseal``; None: off).
+        self.sealer = AutoSealer(functools.partial(
+            self.seal_audit, wait_s=autoseal.wait_s if autoseal else 0.0), autoseal,
+            name="toolguard-autoseal-pg")
         self._pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
             kwargs={"autocommit": True}, configure=self._configure,
@@ -759,6 +768,7 @@ class PostgresStore(_PgBase):
         with self.connection() as conn:
             row = conn.execute(AUDIT_INSERT, _audit_values(entry)).fetchone()
         assert row is not None
+        self.sealer.wrote()
         return replace(entry, id=int(row[0]), at=row[1])
 
     def mark_unknown(self, idempotency_key: str, record: IntentRecord | None = None) -> bool:
@@ -828,6 +838,8 @@ class PostgresStore(_PgBase):
             return pg_export(conn, path, before=before, through_seq=through_seq, drop=drop)
 
     def close(self) -> None:
+        """Seal the audit rows this store wrote (see ``autoseal``), then close the pool."""
+        self.sealer.close()
         self._pool.close()
 
     def __enter__(self) -> PostgresStore:
@@ -888,6 +900,7 @@ class _AsyncSession:
             raise problem
         query, params = _finish_params(tx, entry)
         await psycopg.AsyncClientCursor(self.conn).execute(query, params)
+        self.store.sealer.wrote()
 
     async def abort(self, error: BaseException) -> BaseException:
         # As the sync twin: the ROLLBACK (a replay's COMMIT) goes out with the audit row (or
@@ -917,22 +930,29 @@ class _AsyncSession:
             try:
                 await psycopg.AsyncClientCursor(self.conn).execute(query, params)
                 self.commit_pending = False
+                self.store.sealer.wrote()
                 return
             except psycopg.Error:
                 await self.settle()
         if not self.conn.closed and self.conn.info.transaction_status == TransactionStatus.IDLE:
             await self.conn.execute(FAILURE, params)
-            return
-        async with self.store.connection(timeout=1.0) as other:
-            await other.execute(FAILURE, params)
+        else:
+            async with self.store.connection(timeout=1.0) as other:
+                await other.execute(FAILURE, params)
+        self.store.sealer.wrote()
 
 
 class AsyncPostgresStore(_PgBase):
     """The asyncio guarded store on PostgreSQL; the pool opens on first use."""
 
     def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
-                 max_size: int = 10, timeout_s: float = 10.0, install: bool = False) -> None:
+                 max_size: int = 10, timeout_s: float = 10.0, install: bool = False,
+                 autoseal: AutoSeal | None = DEFAULT_AUTOSEAL) -> None:
         super().__init__(url, schema)
+        #: Seals the audit rows this store writes, in a thread on a connection of its own.
+        self.sealer = AutoSealer(functools.partial(
+            self._run_batch, pg_seal, max_rows=MAX_SEAL_ROWS,
+            wait_s=autoseal.wait_s if autoseal else 0.0), autoseal, name="toolguard-autoseal-apg")
         #: The pool's bounds, for callers that hold a connection while they need another
         #: (``toolguard.fences.inflight``).
         self.pool_max_size = max_size
@@ -1062,6 +1082,7 @@ class AsyncPostgresStore(_PgBase):
         async with self.connection() as conn:
             row = await (await conn.execute(AUDIT_INSERT, _audit_values(entry))).fetchone()
         assert row is not None
+        self.sealer.wrote()
         return replace(entry, id=int(row[0]), at=row[1])
 
     async def mark_unknown(self, idempotency_key: str,
@@ -1137,6 +1158,9 @@ class AsyncPostgresStore(_PgBase):
             raise translate(error) from error
 
     async def close(self) -> None:
+        """Seal the audit rows this store wrote (see ``autoseal``), then close the pool."""
+        if not self.sealer.idle:
+            await asyncio.to_thread(self.sealer.close)
         await self._pool.close()
 
     aclose = close

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from toolguard.errors import ConfigurationError, StoreError
+from toolguard.store.autoseal import DEFAULT_AUTOSEAL
 from toolguard.store.chain import (
     GENESIS,
     AuditVerification,
@@ -104,6 +105,10 @@ class ChainIO(Protocol):
     def first_id_since(self, after_id: int, moment: datetime) -> int | None: ...
 
     def trigger_problems(self) -> list[Problem]: ...
+
+    def id_ceiling(self) -> int | None: ...
+
+    def oldest_since(self, after_id: int) -> datetime | None: ...
 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -208,7 +213,7 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
         low = max(seal.after_id, covered)
         verifier.seal(seal, _all_rows(io, low, seal.last_id) if seal.last_id > low else ())
         covered = max(covered, seal.last_id)
-    verifier.unsealed(_all_rows(io, covered, None))
+    verifier.unsealed(_all_rows(io, covered, None), covered, io.id_ceiling())
     checks = [read_export(path) for path in exports]
     if checks:
         verifier.check_exports(checks)
@@ -221,11 +226,8 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
             f"the anchor names seal #{retention.through_seq}, the last seal of the dropped "
             f"range: the database only records its hash, the rows it pins are in the export "
             f"file; `--export FILE` checks them against the anchor")
-    if report.unsealed:
-        report.notes.append(
-            f"the {report.unsealed} rows not sealed yet (ids above {report.head.last_id}) are "
-            f"covered only by their own hash: rows deleted from the end of the log before a "
-            f"seal covers them leave no trace")
+    report.oldest_unsealed = io.oldest_since(covered) if report.unsealed else None
+    report.notes.extend(unsealed_notes(report))
     if not anchors and report.head.seq > report.start.seq:
         report.notes.append(
             "without an anchor, the newest seal deleted with its rows (or the whole chain "
@@ -237,6 +239,25 @@ def verify_log(io: ChainIO, *, anchors: Sequence[str] = (),
             f"#{retention.through_seq}, final hash {retention.final_hash}); `--export FILE` "
             f"checks the file")
     return report
+
+
+def unsealed_notes(report: AuditVerification) -> list[str]:
+    """What the rows not sealed yet leave unseen, in words (``AuditVerification.notes``)."""
+    if not report.unsealed:
+        return []
+    rows = (f"the {report.unsealed} rows not sealed yet (ids above {report.head.last_id}"
+            + (f", the oldest written {sealed_at_text(report.oldest_unsealed)}"
+               if report.oldest_unsealed else "") + ")")
+    bound = (f"toolguard stores seal the rows they write {DEFAULT_AUTOSEAL.describe()} by "
+             f"default (`AutoSeal`), so only the newest rows wait like this")
+    if report.dialect == "sqlite":
+        return [f"{rows} are covered by their own hash and by their ids (SQLite hands them out "
+                f"without gaps): a deleted row is found, but a row changed together with its "
+                f"row hash is not, now or later (a seal covers the rows as it finds them); "
+                f"{bound}"]
+    return [f"{rows} are covered only by their own hash: a deletion among them, or a row "
+            f"changed together with its row hash, leaves no trace, now or later (a seal covers "
+            f"the rows as it finds them); {bound}"]
 
 
 def retention_problems(io: ChainIO, retention: Retention) -> list[Problem]:
@@ -470,6 +491,15 @@ class PgChainIO:
         row = self.conn.execute(PG_FIRST_SINCE, (after_id, moment)).fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
+    def id_ceiling(self) -> int | None:
+        """None: PostgreSQL's sequence skips rolled-back ids, its last value proves nothing."""
+        return None
+
+    def oldest_since(self, after_id: int) -> datetime | None:
+        row = self.conn.execute("SELECT min(at) FROM toolguard_audit WHERE id > %s",
+                                (after_id,)).fetchone()
+        return None if row is None else row[0]
+
     def trigger_problems(self) -> list[Problem]:
         state = {(t, n): e for t, n, e in self.conn.execute(PG_TRIGGER_STATE)}
         problems = []
@@ -701,6 +731,20 @@ class SqliteChainIO:
         text = utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
         row = self.conn.execute(SQLITE_FIRST_SINCE, (after_id, text)).fetchone()
         return None if row is None or row[0] is None else int(row[0])
+
+    def id_ceiling(self) -> int | None:
+        """The highest audit id ever handed out (AUTOINCREMENT keeps it after a delete)."""
+        row = self.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'toolguard_audit'"
+                                ).fetchone()
+        return _lenient_int(row[0], 0) if row is not None else None
+
+    def oldest_since(self, after_id: int) -> datetime | None:
+        row = self.conn.execute("SELECT min(at) FROM toolguard_audit WHERE id > ?",
+                                (after_id,)).fetchone()
+        if row is None or row[0] is None:
+            return None
+        moment = _lenient_moment(row[0])
+        return None if moment == _NO_MOMENT else moment
 
     def trigger_problems(self) -> list[Problem]:
         present = {(t, n) for t, n in self.conn.execute(

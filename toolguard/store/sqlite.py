@@ -54,6 +54,7 @@ from toolguard.errors import (
     StoreError,
     ToolGuardError,
 )
+from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSeal, AutoSealer
 from toolguard.store.base import (
     AUDIT_COLUMNS,
     AUDIT_SELECT,
@@ -457,6 +458,7 @@ class _Session:
             self.conn.execute(APPLY, (tx.result_json, tx.tokens_json, key))
         self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
         self.conn.execute("COMMIT")
+        self.store.sealer.wrote()
 
     def finish(self, tx: FencedTransaction, entry: AuditEntry) -> None:
         self.commit(tx, entry)
@@ -485,12 +487,15 @@ class SqliteStore:
     dialect = DIALECT
 
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 30_000,
-                 synchronous: str = "NORMAL") -> None:
+                 synchronous: str = "NORMAL", autoseal: AutoSeal | None = DEFAULT_AUTOSEAL
+                 ) -> None:
         self.path = str(path)
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             msg = f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}"
             raise ConfigurationError(msg)
         self._connections = _Connections(self.path, busy_timeout_ms, synchronous.upper())
+        #: Seals the audit rows this store writes (``toolguard.store.autoseal``; None: off).
+        self.sealer = AutoSealer(self.seal_audit, autoseal, name="toolguard-autoseal-sqlite")
 
     def __repr__(self) -> str:
         return f"SqliteStore({self.path!r})"
@@ -596,11 +601,13 @@ class SqliteStore:
                 conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
+        self.sealer.wrote()
 
     def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
         with self.connection() as conn:
             (row,) = conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
+        self.sealer.wrote()
         return replace(entry, id=int(row[0]), at=datetime.fromisoformat(row[1]))
 
     def mark_unknown(self, idempotency_key: str, record: IntentRecord | None = None) -> bool:
@@ -689,6 +696,8 @@ class SqliteStore:
             return sqlite_export(conn, path, before=before, through_seq=through_seq, drop=drop)
 
     def close(self) -> None:
+        """Seal the audit rows this store wrote (see ``autoseal``), then close its connections."""
+        self.sealer.close()
         self._connections.close()
 
     def __enter__(self) -> SqliteStore:
@@ -966,6 +975,9 @@ class AsyncSqliteStore:
             self.sync._connections.give(conn)
 
     async def close(self) -> None:
+        """Seal the audit rows this store wrote (in a thread), then close its connections."""
+        if not self.sync.sealer.idle:
+            await asyncio.to_thread(self.sync.sealer.close)
         self.sync.close()
 
     aclose = close
