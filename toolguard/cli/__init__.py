@@ -23,6 +23,7 @@ from toolguard.cli.approve import approve, deny
 from toolguard.cli.audit import audit_app
 from toolguard.cli.demo import demo
 from toolguard.cli.doctor import doctor
+from toolguard.cli.mcp import mcp_app
 from toolguard.cli.pause import pause, resume
 from toolguard.cli.policy_diff import policy_diff
 from toolguard.cli.serve import serve
@@ -77,3 +78,4 @@ app.command("pause")(pause)
 app.command("resume")(resume)
 app.command("approve")(approve)
 app.command("deny")(deny)
+app.add_typer(mcp_app, name="mcp")
