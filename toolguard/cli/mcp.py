@@ -162,9 +162,8 @@ async def _close(guard: Any) -> None:
 
 
 def _run(policy: Path, upstream: Upstream, identity: Identity, **options: Any) -> None:
-    with failures("toolguard mcp"):
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_serve(policy, upstream, identity, **options))
+    with failures("toolguard mcp"), contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(policy, upstream, identity, **options))
 
 
 @mcp_app.command("proxy")
