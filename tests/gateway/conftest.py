@@ -185,18 +185,24 @@ def counter(tmp_path: Path, name: str) -> tuple[int, int]:
     return (row[0], row[1]) if row else (0, 0)
 
 
-def server_venv(package: str) -> Path:
-    """The ``bin`` folder of a virtualenv holding ``package`` from the index (made once, cached)."""
-    venv = CACHE / "venvs" / package
+def server_venv(package: str, *pins: str) -> Path:
+    """The ``bin`` folder of a virtualenv holding ``package`` from the index (made once, cached).
+
+    ``pins`` are extra requirements (``mcp<2`` for a server written against the SDK 1.x API);
+    the folder's name says them, so a change of pins makes a new virtualenv.
+    """
+    suffix = "".join(f"-{''.join(c if c.isalnum() else '_' for c in pin)}" for pin in pins)
+    venv = CACHE / "venvs" / f"{package}{suffix}"
     binary = venv / "bin" / package
     if binary.exists():
         return venv / "bin"
     CACHE.mkdir(parents=True, exist_ok=True)
-    with (CACHE / f"{package}.lock").open("w") as lock:
+    with (CACHE / f"{package}{suffix}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers install it once
         if not binary.exists():
             subprocess.run([_base_python(), "-m", "venv", "--clear", str(venv)], check=True)
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", package], check=True)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", package, *pins],
+                           check=True)
     return venv / "bin"
 
 

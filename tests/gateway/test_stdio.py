@@ -5,7 +5,16 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from .conftest import POLICY, UPSTREAM, audit_rows, clean_env, counter, stdio_session, toolguard, upstream_calls
+from .conftest import (
+    POLICY,
+    UPSTREAM,
+    audit_rows,
+    clean_env,
+    counter,
+    stdio_session,
+    toolguard,
+    upstream_calls,
+)
 
 
 def gateway_args(*extra: str) -> list[str]:

@@ -19,8 +19,9 @@ from typing import Any
 
 os.environ.setdefault("FASTMCP_LOG_LEVEL", "WARNING")
 
-from fastmcp import Context, FastMCP  # noqa: E402
-from fastmcp.tools.base import Tool, ToolResult  # noqa: E402
+from fastmcp import Context, FastMCP
+from fastmcp.tools.base import Tool, ToolResult
+from mcp_types import TextContent
 
 DB = Path(os.environ["UPSTREAM_DB"])
 _SCHEMA = """
@@ -106,7 +107,7 @@ async def progress(counter: str, ctx: Context) -> str:
 async def fails(counter: str) -> ToolResult:
     """Answer with an error result (isError), which the gateway passes on unchanged."""
     _note("fails", counter)
-    return ToolResult(content=[{"type": "text", "text": f"upstream says no to {counter}"}],
+    return ToolResult(content=[TextContent(type="text", text=f"upstream says no to {counter}")],
                       is_error=True)
 
 
