@@ -141,7 +141,8 @@ async def http_session(url: str, token: str | None = None) -> AsyncIterator[Any]
 
 
 @asynccontextmanager
-async def stdio_session(args: list[str], cwd: Path, env: dict[str, str]) -> AsyncIterator[Any]:
+async def stdio_session(args: list[str], cwd: Path, env: dict[str, str],
+                        **session_options: Any) -> AsyncIterator[Any]:
     """The MCP SDK's own client launching ``args`` over stdio, as a desktop client does."""
     from mcp import ClientSession, StdioServerParameters
     from mcp.client.stdio import stdio_client
@@ -149,7 +150,7 @@ async def stdio_session(args: list[str], cwd: Path, env: dict[str, str]) -> Asyn
     params = StdioServerParameters(command=args[0], args=args[1:], env=env, cwd=str(cwd))
     with (cwd / "stdio-gateway.log").open("a") as errlog:
         async with stdio_client(params, errlog=errlog) as streams, \
-                ClientSession(streams[0], streams[1]) as session:
+                ClientSession(streams[0], streams[1], **session_options) as session:
             await session.initialize()
             yield session
 

@@ -79,7 +79,8 @@ def _rpc(client: httpx.Client, url: str, body: dict, session: str | None) -> tup
     if session:
         headers["Mcp-Session-Id"] = session
     response = client.post(url, content=json.dumps(body), headers=headers)
-    response.raise_for_status()
+    if response.status_code >= 400:
+        return {"http_status": response.status_code}, session
     session = response.headers.get("mcp-session-id", session)
     if not response.content:
         return None, session
@@ -106,12 +107,15 @@ def test_a_call_retried_with_the_same_request_id_replays(tmp_path: Path, start_g
         lone = {**call, "id": 8}
         lone["params"] = {"name": "bump", "arguments": {"counter": "\ud800"}}
         hostile, _ = _rpc(client, gateway.url, lone, session)
+        later, _ = _rpc(client, gateway.url, {**call, "id": 9, "params": {
+            "name": "bump", "arguments": {"counter": "rid", "by": 1}}}, session)
     assert first is not None and again is not None
     assert first["result"]["structuredContent"] == {"counter": "rid", "value": 3}
     assert again["result"]["structuredContent"] == first["result"]["structuredContent"]
     assert again["result"]["_meta"]["toolguard/replayed"] is True
     assert counter(tmp_path, "rid")[0] == 3
-    assert hostile is not None  # a lone surrogate: an answer (an error), never a crash
+    assert hostile is not None and "result" not in hostile  # a lone surrogate: refused
+    assert later is not None and later["result"]["structuredContent"]["value"] == 4  # still serving
     reasons = [r.reason for r in audit_rows(tmp_path)]
     assert reasons[:2] == ["applied", "duplicate"]
 

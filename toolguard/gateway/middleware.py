@@ -31,10 +31,12 @@ client gets an error result saying to retry with the same key.
 from __future__ import annotations
 
 import contextlib
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import anyio
 import mcp_types
 from fastmcp.server.dependencies import get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
@@ -71,8 +73,9 @@ REASON_META_KEY = "toolguard/reason"
 APPROVAL_META_KEY = "toolguard/approval-id"
 _OURS = "toolguard/"
 _CONTENT = TypeAdapter(list[mcp_types.ContentBlock])
-#: JSON-RPC codes that mean the upstream connection is gone (the SDK's and the proxy's).
-_CONNECTION_LOST = frozenset({mcp_types.CONNECTION_CLOSED, mcp_types.INTERNAL_ERROR})
+#: Transport errors that mean the upstream connection is gone mid-call.
+_TRANSPORT_LOST = (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream,
+                   ConnectionError, EOFError)
 _LOST_TEXT = ("rejected: upstream_lost: the upstream MCP server went away during the call, so "
               "whether it applied is unknown; call again with the same idempotency key and "
               "toolguard reconciles it")
@@ -164,12 +167,8 @@ class GatewayMiddleware(Middleware):
                 request.meta = upstream_meta(downstream, ctx)  # what FastMCP's proxy forwards
             try:
                 result = await call_next(context)
-            except MCPError as error:
-                if error.error.code in _CONNECTION_LOST:
-                    raise UpstreamLost(error.error.message) from error
-                raise UpstreamRaised(error) from error
-            except (ConnectionError, OSError, EOFError) as error:
-                raise UpstreamLost(str(error)) from error
+            except Exception as error:  # FastMCP wraps what the upstream raised in a ToolError
+                raise _upstream_failure(error) from error
             if result.is_error:
                 raise UpstreamErrorResult(result)
             return _record(result)
@@ -226,12 +225,12 @@ class GatewayMiddleware(Middleware):
         approval_id = decision.approval_id
         if book is None or approval_id is None:
             return decision
-        request = getattr(decision.error, "request", None) or {}
-        why = request.get("why") if isinstance(request, Mapping) else None
-        message = (f"{intent.tool} needs your approval"
-                   + (f" ({why})" if why else "")
-                   + f". Arguments: {request.get('args') if isinstance(request, Mapping) else ''}"
-                   + f" · approval {approval_id}")
+        request = getattr(decision.error, "request", None)
+        request = request if isinstance(request, Mapping) else {}
+        why = request.get("description") or "approval required"
+        shown = json.dumps(request.get("args"), ensure_ascii=False, default=str)[:2_000]
+        message = (f"{intent.tool} needs your approval ({why}). Agent: {intent.agent}. "
+                   f"Arguments (redacted as the policy says): {shown}. Approval {approval_id}.")
         try:
             answer = await fastmcp_context.elicit(message, response_type=bool)
         except Exception:  # the client could not answer: the request stays pending
@@ -244,6 +243,29 @@ class GatewayMiddleware(Middleware):
             await book.decide(approval_id, "approve" if approved else "reject",
                               by=f"mcp-elicitation:{intent.agent or 'unknown'}")
         return await self.guard.arun(intent, execute)
+
+
+def _upstream_failure(error: Exception) -> BaseException:
+    """What an exception from the proxied call means: the upstream lost, its error, or a bug."""
+    for cause in _chain(error):
+        if isinstance(cause, MCPError):
+            if cause.error.code == mcp_types.CONNECTION_CLOSED or (
+                    cause.error.code == mcp_types.INTERNAL_ERROR
+                    and "connect" in cause.error.message.lower()):
+                return UpstreamLost(cause.error.message)
+            return UpstreamRaised(cause)
+        if isinstance(cause, _TRANSPORT_LOST):
+            return UpstreamLost(f"{type(cause).__name__}: {cause}")
+    return error
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen and len(seen) < 16:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
 
 
 def may_call(policy: Policy, tool: str, agent: str | None) -> bool:
