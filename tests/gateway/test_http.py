@@ -113,11 +113,11 @@ def test_a_call_retried_with_the_same_request_id_replays(tmp_path: Path, start_g
     assert first["result"]["structuredContent"] == {"counter": "rid", "value": 3}
     assert again["result"]["structuredContent"] == first["result"]["structuredContent"]
     assert again["result"]["_meta"]["toolguard/replayed"] is True
-    assert counter(tmp_path, "rid")[0] == 3
+    assert counter(tmp_path, "rid")[0] == 4  # 3 once (not twice), then the later 1
     assert hostile is not None and "result" not in hostile  # a lone surrogate: refused
     assert later is not None and later["result"]["structuredContent"]["value"] == 4  # still serving
     reasons = [r.reason for r in audit_rows(tmp_path)]
-    assert reasons[:2] == ["applied", "duplicate"]
+    assert reasons == ["applied", "duplicate", "applied"]  # the refused surrogate never got in
 
 
 def _wait_for(path: Path, timeout_s: float = 120.0) -> int:
