@@ -39,8 +39,10 @@ def test_a_client_that_can_elicit_is_asked_and_its_answer_decides(tmp_path: Path
     assert not approved.is_error, approved.content
     assert (declined.meta or {})["toolguard/reason"] == "approval_denied"
     assert counter(tmp_path, "big")[0] == 5000
-    assert [r.reason for r in audit_rows(tmp_path)] == ["approval_required", "applied",
-                                                        "approval_required", "approval_denied"]
+    # each request audited when asked and when decided (by the elicitation), then the call
+    assert [r.reason for r in audit_rows(tmp_path)] == [
+        "approval_required", "approved", "applied", "approval_required", "denied",
+        "approval_denied"]
 
 
 def test_without_elicitation_the_call_waits_for_toolguard_approve(tmp_path: Path) -> None:
