@@ -76,3 +76,36 @@ def test_the_gateway_forwards_the_lease_s_fences_and_the_upstream_checks_them(
         served = service.query_audit(newest_first=False, limit=None)
     assert [(r.decision, r.agent) for r in served] == [("accepted", "alice")]  # once, as alice
     assert served[0].idempotency_key == "thread:mcp-key%3Aalice//f-1#1"
+
+
+def test_a_fenced_upstream_refuses_the_gateway_s_stale_lease_itself(
+        tmp_path: Path, fenced_service, start_gateway) -> None:
+    """A newer holder wrote past the gateway's lock service: the upstream refuses the gateway."""
+    from fastmcp import Client
+    from mcp.shared.exceptions import MCPError
+
+    from toolguard.fences.wire import Fences
+
+    url, store_url = fenced_service
+    gateway = start_gateway("--token", "alice:" + "a" * 24, "--upstream", url, upstream=[],
+                            policy=HERE / "fenced_policy.yml")
+
+    async def run():
+        newer = Fences(tokens={"lead:L2": 9 * 10**17}, idempotency_key="newer#1", agent="other",
+                       intent_id="n-1").meta()
+        async with Client(url) as direct:
+            await direct.call_tool("set_score", {"lead_id": "L2", "score": 99}, meta=newer)
+        async with http_session(gateway.url, "a" * 24) as session:
+            try:
+                await session.call_tool("set_score", {"lead_id": "L2", "score": 1})
+            except MCPError as error:
+                return error
+        return None
+
+    refused = asyncio.run(run())
+    assert refused is not None, "the upstream's refusal passes through as its JSON-RPC error"
+    assert "stale" in str(refused).lower()
+    (row,) = audit_rows(tmp_path)
+    assert (row.decision, row.reason) == ("failed", "upstream_error")
+    with open_store(store_url) as service:
+        assert service.high_water("lead:L2") == 9 * 10**17  # the stale write changed nothing

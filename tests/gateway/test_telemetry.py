@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastmcp import Client
+from telemetry.recorder import Recorder  # the telemetry suite's in-memory exporters
 
 from toolguard import ToolGuard, telemetry
 from toolguard.gateway import Identity, Upstream, open_gateway
@@ -16,9 +17,6 @@ from toolguard.policies import load_policy
 from toolguard.store import open_async_store
 
 from .conftest import POLICY, UPSTREAM, clean_env
-
-pytest.importorskip("opentelemetry.sdk")
-from telemetry.recorder import Recorder  # noqa: E402 - the telemetry suite's exporters
 
 
 def test_each_call_through_the_gateway_is_a_span_with_its_decision(
