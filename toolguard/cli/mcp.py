@@ -22,6 +22,9 @@ import typer
 from toolguard.cli._common import EXIT_FAILED, EXIT_USAGE, console, fail, failures, redact
 from toolguard.extras import install_hint
 
+#: Where ``--token`` is read from when not given (kept in step with ``toolguard.gateway.server``).
+TOKENS_ENV = "TOOLGUARD_GATEWAY_TOKENS"
+
 if TYPE_CHECKING:
     from toolguard.gateway import Identity, Upstream
 
@@ -51,7 +54,7 @@ AgentOption = Annotated[str | None, typer.Option(
     "--agent", metavar="NAME", show_default=False,
     help="The agent every call through this gateway runs as (a stdio client's identity).")]
 TokenOption = Annotated[list[str] | None, typer.Option(
-    "--token", metavar="AGENT:TOKEN", envvar="TOOLGUARD_GATEWAY_TOKENS", show_envvar=True,
+    "--token", metavar="AGENT:TOKEN", envvar=TOKENS_ENV, show_envvar=True,
     show_default=False,
     help="With --listen: a bearer token and the agent it identifies (16 characters or more). "
          "Repeatable. With tokens, a request without a known token has no identity (refused).")]

@@ -29,9 +29,12 @@ from toolguard.gateway.middleware import GatewayMiddleware
 from toolguard.gateway.schemas import tool_model
 from toolguard.guard import ToolGuard
 
-__all__ = ["Upstream", "UpstreamTool", "list_upstream_tools", "open_gateway", "register_tools"]
+__all__ = ["TOKENS_ENV", "Upstream", "UpstreamTool", "list_upstream_tools", "open_gateway", "register_tools"]
 
 log = logging.getLogger("toolguard.gateway")
+
+#: The environment variable of the downstream clients' bearer tokens (``--token``).
+TOKENS_ENV = "TOOLGUARD_GATEWAY_TOKENS"
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ class Upstream:
         """A new transport to the upstream (stdio: a kept-alive subprocess, restarted if it died)."""
         if self.url is not None:
             return StreamableHttpTransport(self.url)
+        env = {k: v for k, v in os.environ.items() if k != TOKENS_ENV}  # the clients' secrets stay here
         return StdioTransport(command=self.command[0], args=list(self.command[1:]),
-                              env=dict(os.environ), cwd=self.cwd, keep_alive=keep_alive)
+                              env=env, cwd=self.cwd, keep_alive=keep_alive)
 
     @property
     def label(self) -> str:
