@@ -7,8 +7,12 @@ import subprocess
 from pathlib import Path
 
 import mcp_types
+import pytest
 
 from .conftest import POLICY, UPSTREAM, audit_rows, clean_env, counter, stdio_session, toolguard
+
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
 
 BIG = {"counter": "big", "by": 5000}
 

@@ -7,7 +7,12 @@ import shlex
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import ROOT, Gateway, audit_rows, clean_env, free_port, http_session
+
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
 
 
 def readme_command() -> list[str]:

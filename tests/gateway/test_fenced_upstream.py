@@ -17,6 +17,9 @@ from toolguard.store import open_store
 
 from .conftest import HERE, audit_rows, free_port, http_session
 
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
+
 TESTS = HERE.parent
 
 

@@ -11,8 +11,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .conftest import audit_rows, counter, http_session, upstream_calls
+
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
 
 ALICE = "alice:" + "a" * 24
 BOB = "bob:" + "b" * 24

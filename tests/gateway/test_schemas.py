@@ -15,6 +15,9 @@ from toolguard.policies import validate_args
 
 from .conftest import UPSTREAM, clean_env, toolguard
 
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
+
 
 class Commit(BaseModel):
     repo_path: str

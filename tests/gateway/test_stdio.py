@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from .conftest import (
     POLICY,
     UPSTREAM,
@@ -15,6 +17,9 @@ from .conftest import (
     toolguard,
     upstream_calls,
 )
+
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
 
 
 def gateway_args(*extra: str) -> list[str]:

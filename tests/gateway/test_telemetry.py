@@ -18,6 +18,9 @@ from toolguard.store import open_async_store
 
 from .conftest import POLICY, UPSTREAM, clean_env
 
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
+
 
 def test_each_call_through_the_gateway_is_a_span_with_its_decision(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,16 +9,16 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import subprocess
-import sys
 from contextlib import closing
 from pathlib import Path
 
 import pytest
+from docs.markdown import blocks  # the docs suite's reader: the guide's own policy blocks
 
 from .conftest import ROOT, audit_rows, clean_env, server_venv, stdio_session, toolguard
 
-sys.path.insert(0, str(ROOT / "tests"))
-from docs.markdown import blocks
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
 
 GUIDE = ROOT / "docs" / "gateway.md"
 KEY = "toolguard/idempotency-key"
