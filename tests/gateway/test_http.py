@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import audit_rows, counter, http_session, upstream_calls
+from .conftest import audit_rows, clean_env, counter, http_session, upstream_calls
 
 #: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
 pytestmark = pytest.mark.timeout(900)
@@ -62,19 +62,24 @@ def test_ordering_refuses_close_before_attach_then_lets_it_through(tmp_path: Pat
 
 
 def test_no_token_or_a_wrong_one_is_no_identity(tmp_path: Path, start_gateway) -> None:
-    gateway = start_gateway("--token", ALICE)
+    """Tokens from the environment; the upstream never sees them."""
+    gateway = start_gateway(env=clean_env(tmp_path, TOOLGUARD_GATEWAY_TOKENS=ALICE))
 
     async def run():
         answers = []
         for token in (None, "z" * 24):
             async with http_session(gateway.url, token) as session:
                 answers.append(await session.call_tool("bump", {"counter": "id"}))
-        return answers
+        async with http_session(gateway.url, "a" * 24) as session:
+            peek = await session.call_tool("peek_env", {"name": "TOOLGUARD_GATEWAY_TOKENS"})
+        return answers, peek
 
-    answers = asyncio.run(run())
+    answers, peek = asyncio.run(run())
     assert [(a.meta or {}).get("toolguard/reason") for a in answers] == ["missing_identity"] * 2
     assert upstream_calls(tmp_path) == []
-    assert [(r.agent, r.reason) for r in audit_rows(tmp_path)] == [(None, "missing_identity")] * 2
+    assert peek.structured_content == {"result": False}, peek.content
+    assert [(r.agent, r.reason) for r in audit_rows(tmp_path)] == [
+        (None, "missing_identity"), (None, "missing_identity"), ("alice", "applied")]
 
 
 def _rpc(client: httpx.Client, url: str, body: dict, session: str | None) -> tuple[dict | None, str | None]:

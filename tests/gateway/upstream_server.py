@@ -104,6 +104,12 @@ async def progress(counter: str, ctx: Context) -> str:
 
 
 @mcp.tool
+async def peek_env(name: str) -> bool:
+    """Whether this server's environment has ``name`` (the gateway keeps its secrets to itself)."""
+    return name in os.environ
+
+
+@mcp.tool
 async def fails(counter: str) -> ToolResult:
     """Answer with an error result (isError), which the gateway passes on unchanged."""
     _note("fails", counter)
