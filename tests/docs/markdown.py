@@ -199,8 +199,9 @@ def check_cli(args: list[str]) -> list[str]:
         options |= _options(command)
     if _is_group(command) and not command.invoke_without_command and index == len(args):
         return [f"toolguard {' '.join(args)}: needs a sub-command"]
+    own = args[index:args.index("--")] if "--" in args[index:] else args[index:]  # then another program's
     return [f"toolguard {' '.join(args)}: no option {word.split('=')[0]}"
-            for word in args[index:] if word.startswith("-") and word.split("=")[0] not in options]
+            for word in own if word.startswith("-") and word.split("=")[0] not in options]
 
 
 def _is_group(command: Any) -> bool:

@@ -24,6 +24,7 @@ from toolguard.cli.audit import audit_app
 from toolguard.cli.demo import demo
 from toolguard.cli.doctor import doctor
 from toolguard.cli.keys import fence_app, keys_app
+from toolguard.cli.mcp import mcp_app
 from toolguard.cli.pause import pause, resume
 from toolguard.cli.policy_diff import policy_diff
 from toolguard.cli.serve import serve
@@ -80,3 +81,4 @@ app.command("approve")(approve)
 app.command("deny")(deny)
 app.add_typer(keys_app, name="keys")
 app.add_typer(fence_app, name="fence")
+app.add_typer(mcp_app, name="mcp")

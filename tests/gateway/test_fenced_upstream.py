@@ -1,0 +1,114 @@
+"""A fenced upstream (``FenceToolMiddleware``) behind the gateway checks the forwarded fences itself."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from toolguard.store import open_store
+
+from .conftest import HERE, audit_rows, free_port, http_session
+
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
+
+TESTS = HERE.parent
+
+
+@pytest.fixture
+def fenced_service(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """The fences tests' MCP service (its own SQLite store), on uvicorn."""
+    store_url = f"sqlite:///{tmp_path}/service.db"
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "FENCES_STORE_URL": store_url, "FENCES_SCHEMA": ""}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--factory", "fences.service_app:create_mcp_app",
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, "the fenced service exited"
+            try:
+                httpx.get(url, timeout=1.0)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the fenced service did not start"
+                time.sleep(0.2)
+        yield url, store_url
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def test_the_gateway_forwards_the_lease_s_fences_and_the_upstream_checks_them(
+        tmp_path: Path, fenced_service, start_gateway) -> None:
+    url, store_url = fenced_service
+    gateway = start_gateway("--token", "alice:" + "a" * 24, "--upstream", url, upstream=[],
+                            policy=HERE / "fenced_policy.yml")
+    key = {"toolguard/idempotency-key": "f-1"}
+
+    async def run():
+        async with http_session(gateway.url, "a" * 24) as session:
+            first = await session.call_tool("set_score", {"lead_id": "L1", "score": 40}, meta=key)
+            again = await session.call_tool("set_score", {"lead_id": "L1", "score": 40}, meta=key)
+            forged = await session.call_tool(
+                "set_score", {"lead_id": "L1", "score": 1},
+                meta={"toolguard/fencing-token": "lead%3AL1=999999999999999999"})
+            return first, again, forged
+
+    first, again, forged = asyncio.run(run())
+    assert not first.is_error, first.content
+    assert first.structured_content["writes"] == 1
+    assert (again.meta or {})["toolguard/replayed"] is True
+    assert forged.is_error and (forged.meta or {})["toolguard/reason"] == "invalid_intent"
+    rows = audit_rows(tmp_path)
+    token = rows[0].tokens["lead:L1"]
+    with open_store(store_url) as service:
+        assert service.high_water("lead:L1") == token  # the gateway's lease fenced the write
+        served = service.query_audit(newest_first=False, limit=None)
+    assert [(r.decision, r.agent) for r in served] == [("accepted", "alice")]  # once, as alice
+    assert served[0].idempotency_key == "thread:mcp-key%3Aalice//f-1#1"
+
+
+def test_a_fenced_upstream_refuses_the_gateway_s_stale_lease_itself(
+        tmp_path: Path, fenced_service, start_gateway) -> None:
+    """A newer holder wrote past the gateway's lock service: the upstream refuses the gateway."""
+    from fastmcp import Client
+    from mcp.shared.exceptions import MCPError
+
+    from toolguard.fences.wire import Fences
+
+    url, store_url = fenced_service
+    gateway = start_gateway("--token", "alice:" + "a" * 24, "--upstream", url, upstream=[],
+                            policy=HERE / "fenced_policy.yml")
+
+    async def run():
+        newer = Fences(tokens={"lead:L2": 9 * 10**17}, idempotency_key="newer#1", agent="other",
+                       intent_id="n-1").meta()
+        async with Client(url) as direct:
+            await direct.call_tool("set_score", {"lead_id": "L2", "score": 99}, meta=newer)
+        async with http_session(gateway.url, "a" * 24) as session:
+            try:
+                await session.call_tool("set_score", {"lead_id": "L2", "score": 1})
+            except MCPError as error:
+                return error
+        return None
+
+    refused = asyncio.run(run())
+    assert refused is not None, "the upstream's refusal passes through as its JSON-RPC error"
+    assert "stale" in str(refused).lower()
+    (row,) = audit_rows(tmp_path)
+    assert (row.decision, row.reason) == ("failed", "upstream_error")
+    with open_store(store_url) as service:
+        assert service.high_water("lead:L2") == 9 * 10**17  # the stale write changed nothing

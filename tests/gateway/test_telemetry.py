@@ -1,0 +1,51 @@
+"""Every decision the gateway makes is an ``execute_tool`` span (the gateway in-process here)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+from fastmcp import Client
+from telemetry.recorder import Recorder  # the telemetry suite's in-memory exporters
+
+from toolguard import ToolGuard, telemetry
+from toolguard.gateway import Identity, Upstream, open_gateway
+from toolguard.locks import connect_async
+from toolguard.policies import load_policy
+from toolguard.store import open_async_store
+
+from .conftest import POLICY, UPSTREAM, clean_env
+
+#: Each test starts real processes (the gateway, its upstream): slow on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_each_call_through_the_gateway_is_a_span_with_its_decision(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in clean_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    recorder = Recorder()
+    telemetry.use_providers(tracer_provider=recorder.tracer_provider,
+                            meter_provider=recorder.meter_provider)
+
+    async def run():
+        guard = ToolGuard(load_policy(POLICY),
+                          async_locks=connect_async(f"sqlite:///{tmp_path}/locks.db"),
+                          async_store=open_async_store(f"sqlite:///{tmp_path}/store.db",
+                                                       install=True))
+        server = await open_gateway(guard, Upstream(command=tuple(UPSTREAM), cwd=os.getcwd()),
+                                    identity=Identity(agent="alice"))
+        async with Client(server) as client:
+            await client.call_tool("bump", {"counter": "s", "by": 1})
+            await client.call_tool("forbidden", {"counter": "s"}, raise_on_error=False)
+
+    try:
+        asyncio.run(run())
+    finally:
+        telemetry.use_providers()
+    calls = recorder.calls()
+    assert [(s.attributes["gen_ai.tool.name"], s.attributes["toolguard.decision"]) for s in calls] \
+        == [("bump", "accepted"), ("forbidden", "rejected")]
+    assert recorder.spans("toolguard.tool")  # the upstream call ran inside the guarded span
