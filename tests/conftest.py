@@ -137,3 +137,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section("fault scenarios x invariants")
     for line in table(details=config.get_verbosity() > 0):
         terminalreporter.write_line(line)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``nightly`` (the property runs at ten times the examples) are left out
+    unless asked for (``-m nightly``): deselected, so a run never counts them as skipped."""
+    if "nightly" in (config.getoption("-m") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("nightly") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept

@@ -95,13 +95,3 @@ def run(app: Any, mode: str, inputs: Any, config: Mapping[str, Any] | None = Non
 
 def answers(out: Mapping[str, Any]) -> dict[str, ToolMessage]:
     return {m.tool_call_id: m for m in out["messages"] if isinstance(m, ToolMessage)}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``nightly`` (the larger property runs) run only when asked: ``-m nightly``."""
-    if "nightly" in (config.option.markexpr or ""):
-        return
-    skip = pytest.mark.skip(reason="nightly scale: run with -m nightly")
-    for item in items:
-        if item.get_closest_marker("nightly") is not None:
-            item.add_marker(skip)

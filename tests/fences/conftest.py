@@ -185,13 +185,3 @@ def make_guard(tmp_path: Path, name: str, lock_url: str, *, ttl_ms: int = 10_000
                          async_store=open_async_store(store_url))
     return ToolGuard(load_policy(policy_file), locks=connect(lock_url),
                      store=open_store(store_url))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``nightly`` runs only when asked for (``-m nightly``)."""
-    if "nightly" in (config.getoption("-m") or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("nightly") is None]
-    if len(kept) != len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
-        items[:] = kept

@@ -118,6 +118,10 @@ PINNED: dict[str, tuple[DecisionKind, str]] = {
     **{code: (kind, (R if kind == "rejected" else F).format(reason=code, text=GENERIC))
        for kind, codes in (
            ("rejected", ("key_not_fenced", "lock_error", "rejected")),
+           # a fenced service's claim refusals, key and reset errors, the gateway's upstream
+           ("failed", ("claim_bad_signature", "claim_malformed", "claim_missing",
+                       "claim_not_held", "claim_unknown_key", "fence_key", "fence_reset",
+                       "fence_reset_refused", "no_identity", "upstream_error")),
            ("failed", ("approval_decided", "audit_append_only", "audit_tampered",
                        "backend_refused", "deadlock", "declined", "export_exists",
                        "export_invalid", "fenced_redirect", "fences_required",
