@@ -11,6 +11,7 @@ forbids one).
 
 from __future__ import annotations
 
+import mimetypes
 import os
 import re
 from collections.abc import Iterable
@@ -76,6 +77,9 @@ def create_app(store: GuardedStore, *,
     """
     if token is not None:
         check_token(token)
+    # The static files' content types: Python reads the system's MIME tables on the first
+    # guess, a file read that would otherwise happen inside the server's event loop.
+    mimetypes.init()
     source = policy if isinstance(policy, PolicySource) or policy is None else PolicySource(policy)
     review = _Review(store, source, store_label, token_required=token is not None)
     gate = (Middleware(TokenGate, token=token) if token is not None
