@@ -28,6 +28,7 @@ from toolguard.demo import POLICY_PATH as PACKAGE_POLICY
 from toolguard.demo import SCHEMA_PATH as PACKAGE_SCHEMA
 from toolguard.demo.crm import PG_SCHEMA, CrmService, crm_store_for
 from toolguard.demo.lead_qualifier import Report
+from toolguard.fences.scope import scoped_key
 from toolguard.policies import load_policy
 from toolguard.store import open_store
 
@@ -122,7 +123,9 @@ def assert_crm_outcome(report: Report) -> None:
         "stale_fencing_token", "lead_enricher", ("lead:L-103",))
     assert stale.tool == "PUT /leads/L-103"
     assert stale.intent_id == failed[("lead:L-103",)].intent_id
-    assert stale.idempotency_key == failed[("lead:L-103",)].idempotency_key + "#1"
+    # the CRM keeps its answers per service and agent (toolguard.fences.scope)
+    assert stale.idempotency_key == scoped_key(
+        failed[("lead:L-103",)].idempotency_key + "#1", audience=None, agent="lead_enricher")
     # It came after the enricher's retry (a newer lease) and the router's push (sent before or
     # after it, depending on who got the lock first): the CRM had seen a greater token.
     landed = {e.agent: e.tokens["lead:L-103"] for e in crm.audit

@@ -372,8 +372,10 @@ def next_commands(store_url: str, stale_id: int | None, command: str | None = No
     the CRM's own audit log.
     """
     command = command or invocation()
-    default_store = f"sqlite:///{(Path.cwd() / '.toolguard' / 'store.db').absolute()}"
-    where = "" if store_url == default_store else f" --url '{redact(store_url)}'"
+    # the embedded default, as the settings name it (relative) or as a path from here
+    defaults = {"sqlite:///.toolguard/store.db",
+                f"sqlite:///{(Path.cwd() / '.toolguard' / 'store.db').absolute()}"}
+    where = "" if store_url in defaults else f" --url '{redact(store_url)}'"
     lines = [f"{command} audit --rejected{where}"]
     if stale_id is not None:
         lines.append(f"{command} audit show {stale_id}{where}      # the stalled worker's write")
