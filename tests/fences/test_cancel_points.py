@@ -28,6 +28,7 @@ import httpx
 import pytest
 from fastmcp import Client
 
+from toolguard.fences.scope import scoped_key
 from toolguard.fences.wire import Fences
 from toolguard.store import GuardedStore, open_store
 
@@ -89,7 +90,10 @@ def check_settled(control: Control, store: GuardedStore, key: str, where: str) -
     if pool["markers"] is not None:
         assert pool["marker_turns_free"] == pool["markers"], (where, pool)
     assert state["loop_errors"] == [], (where, state["loop_errors"])
-    rows = store.query_audit(idempotency_key=key, limit=None)
+    # the service keeps its record under the key scoped to itself and the agent (scope.py)
+    rows = [*store.query_audit(idempotency_key=key, limit=None),
+            *store.query_audit(idempotency_key=scoped_key(key, audience=None, agent="a"),
+                               limit=None)]
     assert len(rows) == 1, (where, [(r.decision, r.reason) for r in rows])
 
 
@@ -186,7 +190,8 @@ def test_fence_tool_middleware_cancelled_at_every_await_point(harness_service):
             await call("count", "count#1")
             total = control.wait()["count"]
             cancelled = unheard = 0
-            with store_of(service) as store:
+            store = await asyncio.to_thread(store_of, service)  # opened and closed off the loop
+            try:
                 for n in range(1, total + 1):
                     lead, key = f"m{n}", f"m{n}#1"
                     control.arm(n)
@@ -216,6 +221,8 @@ def test_fence_tool_middleware_cancelled_at_every_await_point(harness_service):
                         result = await call(f"{lead}-{i}", f"{lead}-{i}#1")
                         assert result.structured_content["writes"] == 1
                 control.arm(0)
+            finally:
+                await asyncio.to_thread(store.close)
             return total, cancelled, unheard
 
     total, cancelled, unheard = asyncio.run(run())
@@ -291,7 +298,9 @@ def test_a_guarded_call_through_the_fenced_clients_cancelled_at_every_await_poin
         harness.arm(None)
         assert (await attempt(harness, "count", "count")).result().ok
         total, cancelled = harness.count, 0
-        with store_of(service) as store, open_store(f"sqlite:///{tmp_path}/agent-c.db") as agent:
+        store = await asyncio.to_thread(store_of, service)  # opened and closed off the loop
+        agent = await asyncio.to_thread(open_store, f"sqlite:///{tmp_path}/agent-c.db")
+        try:
             for n in range(1, total + 1):
                 lead = f"g{n}"
                 harness.arm(n, "cancel")
@@ -306,14 +315,20 @@ def test_a_guarded_call_through_the_fenced_clients_cancelled_at_every_await_poin
                     await asyncio.sleep(0.05)
                     retry = (await attempt(None, lead, lead)).result()
                 assert retry.ok, (n, retry.message)
-                assert leads(store)[lead][1] == 1, f"point {n}: applied twice"
-                attempts = agent.query_audit(intent_id=lead, limit=None)
+                # the checks' own sync reads run off the loop (blockbuster watches it)
+                assert (await asyncio.to_thread(leads, store))[lead][1] == 1, \
+                    f"point {n}: applied twice"
+                attempts = await asyncio.to_thread(agent.query_audit, intent_id=lead, limit=None)
                 if len(attempts) != 2:  # the agent's guard, not the fences: noted, see below
                     agent_extra.append((n, [(r.decision, r.reason) for r in attempts]))
-                served = [r for r in store.query_audit(limit=None) if r.intent_id == lead]
+                served = [r for r in await asyncio.to_thread(store.query_audit, limit=None)
+                          if r.intent_id == lead]
                 assert 1 <= len(served) <= 2, (n, [(r.decision, r.reason) for r in served])
                 for i in range(20):
                     assert (await attempt(None, f"{lead}-{i}", f"{lead}-{i}")).result().ok
+        finally:
+            await asyncio.to_thread(store.close)
+            await asyncio.to_thread(agent.close)
         await close()
         return total, cancelled
 
