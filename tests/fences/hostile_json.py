@@ -78,7 +78,9 @@ def meta_json(draw: st.DrawFn, lead: str) -> str:
         return draw(any_json)
     pairs: list[tuple[str, str]] = []
     valid = {"toolguard/fencing-token": f"lead%3A{lead}=3", "toolguard/idempotency-key": f"{lead}#1",
-             "toolguard/agent": "a", "toolguard/intent": "c"}
+             "toolguard/agent": "a", "toolguard/intent": "c",
+             # a claim's shape (a service in unsigned mode does not verify it)
+             "toolguard/fencing-claim": "tgf1.hs256.k1.e30.AAAA"}
     for name in META_NAMES:
         kind = draw(st.sampled_from(["valid", "valid", "absent", "nasty", "any"]))
         if kind == "valid":

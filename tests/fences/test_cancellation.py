@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from fastmcp import Client
 
+from toolguard.fences.scope import scoped_key
 from toolguard.fences.wire import Fences
 from toolguard.store import GuardedStore, open_store
 
@@ -75,7 +76,9 @@ def test_a_cancelled_mcp_call_loses_no_other_call_and_leaves_one_audit_row(logge
         rows = store.query_audit(newest_first=False, limit=None)
         by_key = {}
         for row in rows:
-            by_key.setdefault(row.idempotency_key, []).append((row.decision, row.reason))
+            # the service's records are scoped to it and the agent (toolguard.fences.scope)
+            key = (row.idempotency_key or "").removeprefix(scoped_key("", audience=None, agent="a"))
+            by_key.setdefault(key, []).append((row.decision, row.reason))
         for round_ in range(20):
             assert by_key[f"slow{round_}#1"] == [("unknown", "cancelled")], by_key
             for i in range(5):

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from toolguard.fences.scope import scoped_key
 from toolguard.store import open_store
 
 from .conftest import HERE, audit_rows, free_port, http_session
@@ -78,7 +79,9 @@ def test_the_gateway_forwards_the_lease_s_fences_and_the_upstream_checks_them(
         assert service.high_water("lead:L1") == token  # the gateway's lease fenced the write
         served = service.query_audit(newest_first=False, limit=None)
     assert [(r.decision, r.agent) for r in served] == [("accepted", "alice")]  # once, as alice
-    assert served[0].idempotency_key == "thread:mcp-key%3Aalice//f-1#1"
+    # the upstream keeps its answer under the key scoped to itself and the agent
+    assert served[0].idempotency_key == scoped_key("thread:mcp-key%3Aalice//f-1#1",
+                                                   audience=None, agent="alice")
 
 
 def test_a_fenced_upstream_refuses_the_gateway_s_stale_lease_itself(

@@ -184,5 +184,15 @@ def unknown_tool_message(call: Mapping[str, Any], tool_names: Iterable[str]) -> 
 
 
 def _text(value: Any) -> str:
-    """A call's id or name as a ToolMessage holds it: bounded text, whatever the model sent."""
-    return safe_str(value)
+    """A call's id or name as a ToolMessage holds it, without ever raising.
+
+    Text is kept as sent (a ToolMessage pairs with its call by the exact id) and
+    a number becomes its bounded text, as ToolMessage coerces it; anything else
+    is a field toolguard already refused, and becomes ``""`` rather than the
+    text of a value that may be nested past the recursion limit.
+    """
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int | float):
+        return safe_str(value)
+    return ""
