@@ -30,11 +30,13 @@ def test_each_call_through_the_gateway_is_a_span_with_its_decision(
     telemetry.use_providers(tracer_provider=recorder.tracer_provider,
                             meter_provider=recorder.meter_provider)
 
+    # built before the loop: reading the policy file is blocking I/O (blockbuster watches it)
+    guard = ToolGuard(load_policy(POLICY),
+                      async_locks=connect_async(f"sqlite:///{tmp_path}/locks.db"),
+                      async_store=open_async_store(f"sqlite:///{tmp_path}/store.db",
+                                                   install=True))
+
     async def run():
-        guard = ToolGuard(load_policy(POLICY),
-                          async_locks=connect_async(f"sqlite:///{tmp_path}/locks.db"),
-                          async_store=open_async_store(f"sqlite:///{tmp_path}/store.db",
-                                                       install=True))
         server = await open_gateway(guard, Upstream(command=tuple(UPSTREAM), cwd=os.getcwd()),
                                     identity=Identity(agent="alice"))
         async with Client(server) as client:
