@@ -31,6 +31,7 @@ from langchain_suite.differences import (
     NO_CALL_ID,
     NO_UNKNOWN_TOOL_CHECK,
     STRICT_ARGUMENTS,
+    TOOLGUARD_ANSWERS,
     TOOLS_NODE_WITHOUT_TOOLS,
 )
 
@@ -133,7 +134,8 @@ def test_documented_differences_are_toolguard_refusals(runs: dict[str, suite.Run
                                                        composition: str) -> None:
     guarded = runs[composition]
     for reason, decision in ((STRICT_ARGUMENTS, "rejected/invalid_arguments"),
-                             (NO_CALL_ID, "rejected/invalid_intent")):
+                             (NO_CALL_ID, "rejected/invalid_intent"),
+                             (TOOLGUARD_ANSWERS, "rejected/invalid_arguments")):
         for test in sorted(differences.expected(composition, reason)):
             assert decision in guarded.tests[test]["decisions"], (test, guarded.tests[test])
 
@@ -160,8 +162,10 @@ def test_every_guarded_call_leaves_exactly_one_audit_row(runs: dict[str, suite.R
     on_async = sum(entry["async_calls"] for entry in run.tests.values())
     assert total >= 200 and on_async >= 40, f"{composition}: {total} calls ({on_async} async)"
     decisions = {d for entry in run.tests.values() for d in entry["decisions"]}
+    # the kinds of decision the suite's calls reach (a cancelled one may end `accepted` when
+    # its commit had been sent, so `unknown/cancelled` is not required of either position)
     assert {"accepted/applied", "failed/error", "failed/tool_error", "rejected/invalid_arguments",
-            "unknown/interrupted", "unknown/cancelled"} <= decisions, decisions
+            "unknown/interrupted"} <= decisions, decisions
 
 
 @pytest.mark.parametrize("composition", GUARDED)
