@@ -75,10 +75,15 @@ def sqlite_path(tmp_path) -> Iterator[str]:
 
 
 @pytest.fixture(autouse=True)
-def _no_blocking_in_the_event_loop() -> Iterator[None]:
+def _no_blocking_in_the_event_loop(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test runs under ``blockbuster`` (see ``blocking.py``): a blocking call that
     toolguard's code makes inside a running event loop raises ``BlockingError``. Outside a
-    loop (sync tests, worker threads) nothing changes."""
+    loop (sync tests, worker threads) nothing changes. A test marked
+    ``sync_playwright`` is left out: Playwright's sync API keeps an event loop running in the
+    test's own thread, so the test's plain sync calls would read as calls inside a loop."""
+    if request.node.get_closest_marker("sync_playwright") is not None:
+        yield
+        return
     from blocking import no_blocking
 
     with no_blocking():

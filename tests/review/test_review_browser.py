@@ -21,6 +21,9 @@ from review.helpers import DEMO_POLICY, IMG, SCRIPT, TOOL, served_by_the_cli, se
 from toolguard.review import create_app
 from toolguard.store import GuardedStore
 
+#: Playwright's sync API runs its event loop in this thread (see tests/conftest.py).
+pytestmark = pytest.mark.sync_playwright
+
 ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 CHROMIUM = os.environ.get("TOOLGUARD_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -183,16 +183,23 @@ def unknown_tool_message(call: Mapping[str, Any], tool_names: Iterable[str]) -> 
                        status="error")
 
 
+#: The longest id or name a ToolMessage repeats as sent (so a refused call's answer still pairs
+#: with it); a longer one, refused anyway, is cut to safe_str's bound.
+PAIRED_TEXT_LIMIT = 8_192
+
+
 def _text(value: Any) -> str:
     """A call's id or name as a ToolMessage holds it, without ever raising.
 
-    Text is kept as sent (a ToolMessage pairs with its call by the exact id) and
+    Text up to ``PAIRED_TEXT_LIMIT`` is kept as sent (a ToolMessage pairs with its
+    call by the exact id), longer text is cut, and
     a number becomes its bounded text, as ToolMessage coerces it; anything else
     is a field toolguard already refused, and becomes ``""`` rather than the
     text of a value that may be nested past the recursion limit.
     """
     if isinstance(value, str):
-        return str.__str__(value)
+        text = str.__str__(value)
+        return text if len(text) <= PAIRED_TEXT_LIMIT else safe_str(text)
     if isinstance(value, int | float):
         return safe_str(value)
     return ""
