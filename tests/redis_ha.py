@@ -44,6 +44,7 @@ __all__ = [
     "redis_sentinel_url",
     "require_redis_server",
     "sentinel_group",
+    "shared_cluster",
 ]
 
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -510,11 +511,17 @@ class SentinelGroup:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster_url() -> Iterator[str]:
-    """A private cluster shared by the session's non-destructive tests (the contract suite)."""
+def shared_cluster() -> Iterator[RedisClusterGroup]:
+    """A private cluster shared by the session's non-destructive tests (they use unique keys)."""
     require_redis_server()
     with RedisClusterGroup() as cluster:
-        yield cluster.url
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(shared_cluster: RedisClusterGroup) -> str:
+    """The shared cluster's URL (the contract suite, the doctor)."""
+    return shared_cluster.url
 
 
 @pytest.fixture(scope="session")

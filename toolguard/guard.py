@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from toolguard import telemetry
 from toolguard.approvals import ApprovalBook, Approved, AsyncApprovalBook
+from toolguard.cancellation import finish
 from toolguard.context import CallContext, bind
 from toolguard.decision import (
     FAILURE_TEMPLATE,
@@ -441,7 +442,7 @@ class ToolGuard:
                 if is_control_flow(error):
                     if state.decided:  # cancelled after its row was written: that row stands
                         mark_audited(error)
-                    await asyncio.shield(self._arecord_unknown(state, error, call))
+                    await finish(self._arecord_unknown(state, error, call))
                     raise
                 if not isinstance(error, Exception):
                     raise
@@ -507,9 +508,8 @@ class ToolGuard:
     async def _aaudit(self, decision: Decision, state: _Call, call: telemetry.Call) -> None:
         """The decision's row; a cancellation meanwhile does not stop it (the row is the
         call's one row, so it is noted on the cancellation, and no ``unknown`` row follows)."""
-        writing = asyncio.ensure_future(self._aaudit_entry(state.entry(decision), call))
         try:
-            await asyncio.shield(writing)
+            await finish(self._aaudit_entry(state.entry(decision), call))
         except asyncio.CancelledError as cancelled:
             state.decided = True
             mark_audited(cancelled)

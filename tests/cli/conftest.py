@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_ha import redis_cluster_url, redis_sentinel_url  # noqa: F401  (session fixtures)
+from redis_ha import redis_cluster_url, redis_sentinel_url, shared_cluster  # noqa: F401  (session fixtures)
 from typer.testing import CliRunner
 
 from toolguard.cli import app

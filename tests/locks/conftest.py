@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_ha import redis_cluster_url, redis_sentinel_url  # noqa: F401  (server fixtures)
+from redis_ha import redis_cluster_url, redis_sentinel_url, shared_cluster  # noqa: F401  (server fixtures)
 from servers import private_redis  # noqa: F401  (a fixture for the Redis fault tests)
 
 from locks.backends import BACKENDS, LockEnv, Outage

@@ -56,6 +56,7 @@ from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from toolguard.cancellation import finish
 from toolguard.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -582,7 +583,7 @@ class AsyncLockManager(_ManagerBase):
                         break
                     plan.grants[key] = grant
             except BaseException:
-                await asyncio.shield(self._give_back(plan.keys, plan.owner))
+                await finish(self._give_back(plan.keys, plan.owner))
                 raise
             if len(plan.grants) == len(plan.keys) and plan.usable():
                 lease = self._new_lease(plan, self.renewer)
@@ -690,7 +691,7 @@ class AsyncLockManager(_ManagerBase):
         lease.released = True
         heartbeat().remove(lease)
         self._loops.pop(id(lease), None)
-        await asyncio.shield(self._give_back(lease.keys, lease.owner))
+        await finish(self._give_back(lease.keys, lease.owner))
 
     async def raise_floor(self, key: str, token: int) -> None:
         await self.backend.raise_floor(key, token)

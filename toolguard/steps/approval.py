@@ -41,7 +41,6 @@ would need approval is recorded as the would-be refusal ``approval_required``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
@@ -59,6 +58,7 @@ from toolguard.approvals import (
     parse_resume,
     request_refusal,
 )
+from toolguard.cancellation import finish
 from toolguard.errors import (
     ApprovalRequired,
     GuardMisconfigured,
@@ -281,7 +281,7 @@ async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: Ca
         return record
 
     # a sibling's interrupt cancels this task mid-step (asyncio.gather): finish the pair anyway
-    record = await asyncio.shield(requested())
+    record = await finish(requested())
     try:
         approved = bind(record, facts, book.clock())
     except ApprovalRequired as asked:

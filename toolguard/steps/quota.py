@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from toolguard._rows import arows, rows
+from toolguard.cancellation import finish
 from toolguard.errors import GuardMisconfigured, QuotaExceeded, is_control_flow
 from toolguard.facts import CallFacts
 from toolguard.quotas import Admission, AsyncAdmission, AsyncQuotas, Quotas
@@ -214,6 +215,6 @@ async def aheld(admission: AsyncAdmission) -> AsyncIterator[Held]:
         if renewal is not None:
             renewal.cancel()
         try:
-            await asyncio.shield(admission.finish(applied=state.applied))
+            await finish(admission.finish(applied=state.applied))
         except Exception as error:
             log.warning("could not finish a quota admission: %s", error)

@@ -909,37 +909,44 @@ async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
     """
     plan = FencePlan.build(source, intent, detail)
     committing = committed = False
-    async with session as s:
-        try:
-            if plan.problem is not None:
-                raise plan.problem
-            tx = await s.enter(plan)
-            yield tx
-            require_held(plan.lease)
-            committing = True
-            # The commit is not cut by a cancellation (a worker thread or the server would
-            # finish it anyway): its outcome is awaited, so the call is audited as what it
-            # became, once, and the connection goes back idle.
-            cancelled = await _to_the_end(s.finish(tx, plan.entry("accepted", "applied", tx.detail)))
-            if cancelled is not None:  # committed and audited: the caller still stops
-                committed = True
-                mark_audited(cancelled)
-                raise cancelled
-        except BaseException as raised:
-            if committed:
-                raise
-            error = await s.abort(raised)
-            if not committing:
-                error = _lost_meanwhile(plan.lease, error)
-            entry, status = plan.failure_entry(error)
+    try:
+        async with session as s:
             try:
-                await s.record_failure(plan, entry, status)
-                mark_audited(error)
-                mark_audited(raised)
-            except Exception as audit_error:
-                log.warning("could not audit a failed fenced write (%s): %s", entry.reason,
-                            audit_error)
-            _raise(error, raised)
+                if plan.problem is not None:
+                    raise plan.problem
+                tx = await s.enter(plan)
+                yield tx
+                require_held(plan.lease)
+                committing = True
+                # The commit is not cut by a cancellation (a worker thread or the server would
+                # finish it anyway): its outcome is awaited, so the call is audited as what it
+                # became, once, and the connection goes back idle.
+                cancelled = await _to_the_end(s.finish(tx, plan.entry("accepted", "applied", tx.detail)))
+                committed = True
+                if cancelled is not None:  # committed and audited: the caller still stops
+                    mark_audited(cancelled)
+                    raise cancelled
+            except BaseException as raised:
+                if committed:
+                    raise
+                error = await s.abort(raised)
+                if not committing:
+                    error = _lost_meanwhile(plan.lease, error)
+                entry, status = plan.failure_entry(error)
+                try:
+                    await s.record_failure(plan, entry, status)
+                    mark_audited(error)
+                    mark_audited(raised)
+                except Exception as audit_error:
+                    log.warning("could not audit a failed fenced write (%s): %s", entry.reason,
+                                audit_error)
+                _raise(error, raised)
+    except asyncio.CancelledError as cancelled:
+        # the session's own end (the connection going back) may be cut after the commit:
+        # the commit wrote the call's row, so no other follows
+        if committed:
+            mark_audited(cancelled)
+        raise
 
 
 async def _to_the_end(work: Awaitable[None]) -> asyncio.CancelledError | None:

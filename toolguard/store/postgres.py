@@ -61,6 +61,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
+from toolguard.cancellation import finish
 from toolguard.connection_errors import definitive, misconfigured, postgres_probe_options
 from toolguard.errors import (
     BackendUnavailable,
@@ -1069,7 +1070,7 @@ class AsyncPostgresStore(_PgBase):
                 yield session
             finally:
                 if session.rollback_pending:
-                    await asyncio.shield(session.settle())
+                    await finish(session.settle())
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None

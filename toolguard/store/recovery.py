@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from toolguard import telemetry
+from toolguard.cancellation import finish
 from toolguard.errors import BackendUnavailable, DuplicateIntent, StaleFencingToken, ToolGuardError
 from toolguard.locks.base import canonical_keys
 from toolguard.store.base import (
@@ -353,7 +354,7 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
             recovery = _Recovery.of(lease, stale)
         finally:
             try:
-                await asyncio.shield(lease.arelease())  # goes on if this task is cancelled
+                await finish(lease.arelease())  # ends before this task's cancellation goes on
             except asyncio.CancelledError as cancelled:
                 if committed:  # cancelled after the commit: its row says what happened
                     mark_audited(cancelled)

@@ -44,6 +44,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, ParamSpec, TypeVar
 
+from toolguard.cancellation import finish
 from toolguard.errors import (
     AuditAppendOnly,
     BackendUnavailable,
@@ -738,6 +739,16 @@ class _Worker:
         self.executor.shutdown(wait=False)
 
 
+async def _given_back(worker: _Worker, give: Callable[P, None], *args: P.args,
+                      **kwargs: P.kwargs) -> None:
+    """Run ``give`` on the session's worker thread (after its last statement) to its end,
+    whatever cancellation arrives meanwhile; then the worker stops."""
+    try:
+        await finish(asyncio.wrap_future(worker.executor.submit(give, *args, **kwargs)))
+    finally:
+        worker.close()
+
+
 def _give_taken(connections: _Connections, taking: Future[sqlite3.Connection]) -> None:
     """Give back the connection ``taking`` took (run after it on the same worker thread)."""
     if not taking.cancelled() and taking.exception() is None:
@@ -841,13 +852,13 @@ class _AsyncSession:
     async def abort(self, error: BaseException) -> BaseException:
         if self.committed:  # cancelled after the commit: nothing to end
             return error
-        return await asyncio.shield(self.worker.run(self.sync.abort, error))
+        return await finish(self.worker.run(self.sync.abort, error))
 
     async def record_failure(self, plan: FencePlan, entry: AuditEntry,
                              status: IntentStatus | None) -> None:
         if self.committed:  # applied and audited ``accepted`` already
             return
-        await asyncio.shield(self.worker.run(self.sync.record_failure, plan, entry, status))
+        await finish(self.worker.run(self.sync.record_failure, plan, entry, status))
 
 
 class AsyncSqliteStore:
@@ -902,15 +913,14 @@ class AsyncSqliteStore:
         try:
             conn = await asyncio.wrap_future(taking)
         except BaseException:  # cancelled while the worker takes it: given back once taken
-            worker.executor.submit(_give_taken, self.sync._connections, taking)
-            worker.close()
+            await _given_back(worker, _give_taken, self.sync._connections, taking)
             raise
         try:
             yield _AsyncSession(_Session(self.sync, conn), worker)
         finally:
-            # Queued behind any statement still running: the connection goes back idle.
-            worker.executor.submit(self.sync._connections.give, conn)
-            worker.close()
+            # Queued behind any statement still running: the connection goes back idle
+            # before the session ends, however it ends.
+            await _given_back(worker, self.sync._connections.give, conn)
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None

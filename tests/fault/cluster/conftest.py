@@ -7,7 +7,7 @@ the fault suite's scenarios x invariants table (``tests/fault/conftest.py``).
 from __future__ import annotations
 
 import pytest
-from redis_ha import redis_cluster, redis_cluster_url, sentinel_group  # noqa: F401  (fixtures)
+from redis_ha import redis_cluster, redis_cluster_url, sentinel_group, shared_cluster  # noqa: F401  (fixtures)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -80,15 +80,15 @@ def test_an_unreachable_cluster_is_a_backend_error() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_locks_spread_over_slots_and_primaries(redis_cluster: RedisClusterGroup,
+def test_locks_spread_over_slots_and_primaries(shared_cluster: RedisClusterGroup,
                                                unique: str) -> None:
-    locks = connect(redis_cluster.url, ttl_ms=5_000, timeout_s=5)
+    locks = connect(shared_cluster.url, ttl_ms=5_000, timeout_s=5)
     keys = [f"{unique}:r{i}" for i in range(60)]
     try:
         with locks.acquire(keys) as lease:
             owners: Counter[int] = Counter()
             for key in keys:
-                primary = redis_cluster.primary_of_key(lock_key(key))
+                primary = shared_cluster.primary_of_key(lock_key(key))
                 # The lock lives on the primary that serves its slot, and only there.
                 assert holder_on(primary, key) == lease.owner
                 owners[primary.port] += 1
@@ -96,24 +96,24 @@ def test_locks_spread_over_slots_and_primaries(redis_cluster: RedisClusterGroup,
         assert len(owners) == 3, f"60 locks landed on {len(owners)} primaries: {owners}"
         assert len(slots) == 60
         for key in keys:  # released on every primary
-            assert holder_on(redis_cluster.primary_of_key(lock_key(key)), key) is None
+            assert holder_on(shared_cluster.primary_of_key(lock_key(key)), key) is None
     finally:
         locks.close()
 
 
 @pytest.mark.timeout(60)
-def test_multi_key_lease_across_primaries_is_all_or_nothing(redis_cluster: RedisClusterGroup,
+def test_multi_key_lease_across_primaries_is_all_or_nothing(shared_cluster: RedisClusterGroup,
                                                             unique: str) -> None:
-    (first, *_), (second, *_), _ = keys_by_primary(redis_cluster, unique).values()
-    holder = connect(redis_cluster.url, ttl_ms=5_000)
-    contender = connect(redis_cluster.url, ttl_ms=5_000)
+    (first, *_), (second, *_), _ = keys_by_primary(shared_cluster, unique).values()
+    holder = connect(shared_cluster.url, ttl_ms=5_000)
+    contender = connect(shared_cluster.url, ttl_ms=5_000)
     try:
         with holder.acquire([second]):
             with pytest.raises(LockTimeout) as timed_out:
                 contender.acquire([first, second], timeout_s=1.0)
             assert timed_out.value.keys == (second,)
             # The key on the other primary was given back: free, nobody queued.
-            assert holder_on(redis_cluster.primary_of_key(lock_key(first)), first) is None
+            assert holder_on(shared_cluster.primary_of_key(lock_key(first)), first) is None
             with contender.acquire([first], timeout_s=0):
                 pass
         with contender.acquire([first, second], timeout_s=2) as both:
@@ -124,11 +124,11 @@ def test_multi_key_lease_across_primaries_is_all_or_nothing(redis_cluster: Redis
 
 
 @pytest.mark.timeout(90)
-def test_overlapping_sets_across_primaries_never_deadlock(redis_cluster: RedisClusterGroup,
+def test_overlapping_sets_across_primaries_never_deadlock(shared_cluster: RedisClusterGroup,
                                                           unique: str) -> None:
     """Agents take overlapping sets of keys on all three primaries, each listing its keys
     in its own order: every round completes and no two holders of a key overlap."""
-    groups = list(keys_by_primary(redis_cluster, unique, per_primary=2).values())
+    groups = list(keys_by_primary(shared_cluster, unique, per_primary=2).values())
     keys = [k for group in groups for k in group]
     sets = [[keys[0], keys[2], keys[4]], [keys[4], keys[2], keys[0]], [keys[5], keys[1], keys[3]],
             [keys[3], keys[0]], [keys[1], keys[4], keys[5]], [keys[2], keys[3], keys[1]]]
@@ -151,7 +151,7 @@ def test_overlapping_sets_across_primaries_never_deadlock(redis_cluster: RedisCl
         except BaseException as error:
             errors.append(error)
 
-    managers = [connect(redis_cluster.url) for _ in sets]
+    managers = [connect(shared_cluster.url) for _ in sets]
     threads = [threading.Thread(target=agent, args=(i, m), daemon=True)
                for i, m in enumerate(managers)]
     try:

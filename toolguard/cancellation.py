@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 __all__ = ["finish", "isolated"]
@@ -48,7 +48,7 @@ def _shielded() -> contextlib.AbstractContextManager[Any]:
     return anyio.CancelScope(shield=True)
 
 
-async def isolated(work: Coroutine[Any, Any, T],
+async def isolated(work: Awaitable[T],
                    stoppable: Callable[[], bool] = lambda: True) -> T:
     """Run ``work`` in its own task; a cancellation of the caller reaches it once (if
     ``stoppable()`` says it still may be stopped then), and the caller waits for it to end
@@ -56,12 +56,12 @@ async def isolated(work: Coroutine[Any, Any, T],
     return await _run(work, forward=stoppable)
 
 
-async def finish(work: Coroutine[Any, Any, T]) -> T:
+async def finish(work: Awaitable[T]) -> T:
     """Run ``work`` to its end even if the caller is cancelled meanwhile; then re-raise that."""
     return await _run(work, forward=lambda: False)
 
 
-async def _run(work: Coroutine[Any, Any, T], *, forward: Callable[[], bool]) -> T:
+async def _run(work: Awaitable[T], *, forward: Callable[[], bool]) -> T:
     task = asyncio.ensure_future(work)  # a copy of this context: contextvars travel along
     try:
         await asyncio.wait({task})
