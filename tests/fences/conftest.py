@@ -145,6 +145,11 @@ def mcp_store(mcp_service: ServiceProcess) -> Iterator[GuardedStore]:
         yield store
 
 
+def audit(store: GuardedStore, **filters: object) -> list:
+    """The store's audit rows, oldest first."""
+    return store.query_audit(newest_first=False, limit=None, **filters)
+
+
 def leads(store: GuardedStore) -> dict[str, tuple[int, int]]:
     with store.connection() as conn:
         rows = conn.execute("SELECT id, score, writes FROM leads").fetchall()

@@ -152,6 +152,18 @@ def create_app() -> Starlette:
 
 def create_mcp_app() -> Any:
     """A FastMCP server over streamable HTTP at /mcp, fenced by ``FenceToolMiddleware``."""
+    return mcp_server().http_app(path="/mcp")
+
+
+def run_mcp_stdio() -> None:
+    """The same server over stdio, read through toolguard's ``run_stdio_async``."""
+    from toolguard.fences.mcp_stdio import run_stdio_async
+
+    asyncio.run(run_stdio_async(mcp_server()))
+
+
+def mcp_server() -> Any:
+    """The fenced FastMCP server, its store installed."""
     from fastmcp import FastMCP
 
     from toolguard.fences.gate import current_fence
@@ -180,4 +192,8 @@ def create_mcp_app() -> Any:
         await current_fence().tx.execute(UPSERT, (lead_id, -1))
         raise ValueError("the CRM refused")
 
-    return mcp.http_app(path="/mcp")
+    return mcp
+
+
+if __name__ == "__main__":  # python -m fences.service_app: the MCP server over stdio
+    run_mcp_stdio()

@@ -20,7 +20,7 @@ from toolguard.fences.keys import SigningKey
 from toolguard.locks import connect
 from toolguard.store import GuardedStore, open_store
 
-from .conftest import ServiceProcess, leads, make_guard
+from .conftest import ServiceProcess, audit, leads, make_guard
 
 OLD, NEW, STRANGER = (generate_signing_key("k1"), generate_signing_key("k2"),
                       generate_signing_key("k9"))
@@ -57,10 +57,6 @@ def store(signed_service: ServiceProcess) -> Iterator[GuardedStore]:
     options = {"schema": signed_service.schema} if signed_service.schema else {}
     with open_store(signed_service.store_url, **options) as opened:
         yield opened
-
-
-def audit(store: GuardedStore, **filters: object) -> list:
-    return store.query_audit(newest_first=False, limit=None, **filters)
 
 
 def genuine_call(guard, url: str, key: SigningKey, lead: str, score: int, call_id: str):

@@ -20,15 +20,11 @@ from mcp.shared.exceptions import MCPError
 from toolguard.fences.wire import Fences
 from toolguard.store import GuardedStore, open_store
 
-from .conftest import ServiceProcess, drop_schema, leads
+from .conftest import ServiceProcess, audit, drop_schema, leads
 
 
 def fenced(tokens: dict[str, int], key: str | None = "k#1") -> dict[str, str]:
     return Fences(tokens=tokens, idempotency_key=key).headers()
-
-
-def audit(store: GuardedStore) -> list:
-    return store.query_audit(newest_first=False, limit=None)
 
 
 def wait_for_audit(store: GuardedStore, rows: int, within_s: float = 20.0) -> list:

@@ -3,8 +3,10 @@
 After a Redis restarted empty under load, one process's lock manager granted a
 key to a second of its own threads while its first lease on that key was still
 live: the server had forgotten the lock, and the manager asked only the server.
-A process knows its own live leases. Now a key with a live lease in a manager is
-not granted to another holder of that manager: the second acquisition waits for
+A process knows its own live leases. Now a key with a live lease in this process is
+not granted to another holder in this process, whether it asks through the same
+manager or another one made for the same lock server and namespace (sync or
+asyncio, as a guard and a tool each connecting do): the second acquisition waits for
 the local release (as another process waits in the server's queue), until its
 own deadline (``LockTimeout``), and gets the key once the first lets go.
 
@@ -101,6 +103,64 @@ def test_the_asyncio_manager_never_grants_a_key_it_holds(backend: LockEnv) -> No
             await manager.aclose()
 
     asyncio.run(main())
+
+
+def test_another_manager_of_the_process_does_not_get_a_key_held(backend: LockEnv) -> None:
+    """Per process, not per manager: a second ``connect``/``connect_async`` for the same
+    URL waits for the first's live lease; a manager for another namespace does not."""
+    holder = backend.manager(ttl_ms=TTL_MS)
+    other = backend.manager(ttl_ms=TTL_MS)
+    key = backend.key("process")
+    try:
+        first = holder.acquire(key)
+        heartbeat().remove(first)
+        backend.drop(key)
+        with pytest.raises(LockTimeout):
+            other.acquire(key, timeout_s=WAIT_S)
+
+        async def from_asyncio() -> None:
+            manager = backend.async_manager(ttl_ms=TTL_MS)
+            try:
+                with pytest.raises(LockTimeout):
+                    await manager.acquire(key, timeout_s=WAIT_S)
+                async def acquire() -> Lease:
+                    return await manager.acquire(key, timeout_s=30)
+
+                waiting = asyncio.create_task(acquire())
+                await asyncio.sleep(0.05)
+                assert not waiting.done()
+                await asyncio.to_thread(first.release)  # the sync holder lets go: handed on
+                lease = await asyncio.wait_for(waiting, 60)
+                await lease.arelease()
+            finally:
+                await manager.aclose()
+
+        asyncio.run(from_asyncio())
+        with other.acquire(key, timeout_s=10) as again:
+            assert again.token > 0
+    finally:
+        holder.close()
+        other.close()
+
+
+def test_managers_on_different_spaces_do_not_share_claims(backend: LockEnv) -> None:
+    """Two backend objects handed in directly are two spaces (as two processes would be):
+    once the server forgot the first's lock, the second is granted it by the server."""
+    from toolguard.locks import LockManager, open_backend
+
+    key = backend.key("spaces")
+    one = LockManager(open_backend(backend.url, **backend.factory.options), ttl_ms=TTL_MS)
+    two = LockManager(open_backend(backend.url, **backend.factory.options), ttl_ms=TTL_MS)
+    try:
+        first = one.acquire(key, timeout_s=5)
+        heartbeat().remove(first)
+        backend.drop(key)
+        with two.acquire(key, timeout_s=10) as taken:
+            assert taken.token > 0
+        first.release()
+    finally:
+        one.close()
+        two.close()
 
 
 @pytest.mark.fault

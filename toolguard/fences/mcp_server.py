@@ -58,9 +58,12 @@ from toolguard.fences.wire import (
 )
 from toolguard.intent import canonical_json
 
-__all__ = ["REPLAYED_META_KEY", "FenceToolMiddleware"]
+__all__ = ["REPEATED_META_KEY", "REPLAYED_META_KEY", "FenceToolMiddleware"]
 
 REPLAYED_META_KEY = "toolguard/replayed"
+#: Set by toolguard's stdio reader (``toolguard.fences.mcp_stdio``) only: the ``_meta`` key
+#: a request named more than once.
+REPEATED_META_KEY = "toolguard/repeated-key"
 #: The bound on a fenced call's arguments (canonical JSON), as ``FenceMiddleware`` bounds bodies.
 DEFAULT_MAX_ARGUMENT_BYTES = 1 << 20
 _CONTENT = TypeAdapter(list[mcp_types.ContentBlock])
@@ -116,7 +119,7 @@ class FenceToolMiddleware(Middleware):
                            ) -> ToolResult:
         name = audit_name(context.message.name)  # the exact name is in the digest below
         try:
-            repeated = await _repeated_meta_key(context)
+            repeated = await _repeated_meta_key(context) or _marked_repeat(context)
             if repeated is not None:
                 msg = ("the key appears more than once in the request's _meta (JSON keeps the "
                        "last one; which was meant is not a guess)")
@@ -192,7 +195,8 @@ class _Pairs(dict[str, Any]):
     repeated: str | None = None
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+def remembering_pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+    """A ``json.loads`` object hook: the object, and which key it named twice first."""
     found = _Pairs(pairs)
     if len(found) != len(pairs):
         seen: set[str] = set()
@@ -213,7 +217,7 @@ def repeated_meta_key(raw: bytes | str) -> str | None:
     before this runs.
     """
     try:
-        message = json.loads(raw, object_pairs_hook=_pairs, parse_int=len, parse_float=len,
+        message = json.loads(raw, object_pairs_hook=remembering_pairs, parse_int=len, parse_float=len,
                              parse_constant=len)
     except (ValueError, RecursionError):
         return None
@@ -236,6 +240,16 @@ async def _repeated_meta_key(context: MiddlewareContext[Any]) -> str | None:
     if not isinstance(raw, bytes):
         return None
     return repeated_meta_key(raw)
+
+
+def _marked_repeat(context: MiddlewareContext[Any]) -> str | None:
+    """The key toolguard's stdio reader found twice in this request's ``_meta``
+    (``toolguard.fences.mcp_stdio``), or None."""
+    meta = _request_meta(context)
+    if meta is None or REPEATED_META_KEY not in meta:
+        return None
+    marked = meta[REPEATED_META_KEY]
+    return marked if isinstance(marked, str) and marked else REPEATED_META_KEY
 
 
 def _json_type(value: object) -> str:

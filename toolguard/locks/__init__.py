@@ -162,7 +162,8 @@ def connect(url: str | None = None, **options: Any) -> LockManager:
         url = settings.resolved_lock_url()
         manager_options.setdefault("ttl_ms", settings.ttl_ms)
         manager_options.setdefault("timeout_s", settings.wait_timeout_s)
-    return LockManager(open_backend(url, **backend_options), **manager_options)
+    return LockManager(open_backend(url, **backend_options), space=lock_space(url, backend_options),
+                       **manager_options)
 
 
 def connect_async(url: str | None = None, **options: Any) -> AsyncLockManager:
@@ -176,7 +177,15 @@ def connect_async(url: str | None = None, **options: Any) -> AsyncLockManager:
         manager_options.setdefault("ttl_ms", settings.ttl_ms)
         manager_options.setdefault("timeout_s", settings.wait_timeout_s)
     sync = _open_backend(url, backend_options, prepare=False)  # no file I/O in the caller's loop
-    return AsyncLockManager(_async_backend(url, sync, **backend_options), sync, **manager_options)
+    return AsyncLockManager(_async_backend(url, sync, **backend_options), sync,
+                            space=lock_space(url, backend_options), **manager_options)
+
+
+def lock_space(url: str, backend_options: dict[str, Any]) -> str:
+    """The lock space a URL and its backend options name (the server, its namespace): every
+    manager of this process made for it shares one set of claims (sync and asyncio alike)."""
+    shown = ",".join(f"{name}={backend_options[name]!r}" for name in sorted(backend_options))
+    return f"{url}|{shown}"
 
 
 _MANAGER_OPTIONS = {"ttl_ms", "timeout_s", "round_wait_s", "backoff_base_s", "backoff_cap_s"}

@@ -51,6 +51,7 @@ import contextlib
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
@@ -226,9 +227,9 @@ async def _not_swallowing(call: Awaitable[T]) -> T:
 
 
 class _Holds:
-    """The keys this manager's acquisitions hold or are taking, and who waits for each.
+    """The keys this process's managers of one lock space hold or are taking, and who waits.
 
-    A key claimed by one owner is not taken by another owner of this manager, whatever
+    A key claimed by one owner is not taken by another owner in this process, whatever
     the server answers: the server may have forgotten a live lease (a Redis restarted
     without persistence, a lock record deleted), and the process knows its own leases.
     A second acquisition of a held key waits here for the local release, in FIFO order,
@@ -324,6 +325,28 @@ class _Holds:
         return self._owners.get(key)
 
 
+#: lock space -> the claims of every manager of this process on it (see ``holds_of``);
+#: an entry goes with the last manager that used it
+_SPACES: weakref.WeakValueDictionary[str, _Holds] = weakref.WeakValueDictionary()
+_SPACES_MUTEX = threading.Lock()
+
+
+def holds_of(space: str) -> _Holds:
+    """The process's claims on one lock space (a lock server and namespace): managers made
+    for the same space share them, so no two holders in this process get one key at once,
+    whatever the server answers."""
+    with _SPACES_MUTEX:
+        holds = _SPACES.get(space)
+        if holds is None:
+            holds = _SPACES[space] = _Holds()
+        return holds
+
+
+def own_space(backend: object) -> str:
+    """The space of a backend object handed in directly: that object's own."""
+    return f"{type(backend).__qualname__}@{id(backend):x}"
+
+
 class _ManagerBase:
     def __init__(
         self,
@@ -333,6 +356,7 @@ class _ManagerBase:
         round_wait_s: float = 1.0,
         backoff_base_s: float = 0.005,
         backoff_cap_s: float = 0.25,
+        space: str,
     ) -> None:
         self.ttl_ms = check_ttl(ttl_ms)
         self.timeout_s = check_seconds("timeout_s", timeout_s)
@@ -340,7 +364,7 @@ class _ManagerBase:
         self.backoff_base_s = check_seconds("backoff_base_s", backoff_base_s)
         self.backoff_cap_s = check_seconds("backoff_cap_s", backoff_cap_s)
         self._presence: int | None = None  # the backend's presence window, once read
-        self._holds = _Holds()
+        self._holds = holds_of(space)  # the space names a URL: kept out of reprs
         if self.backoff_cap_s < self.backoff_base_s:
             msg = (f"backoff_cap_s ({backoff_cap_s!r}) must not be below backoff_base_s "
                    f"({backoff_base_s!r})")
@@ -402,8 +426,9 @@ class LockManager(_ManagerBase):
     ...     write(lease.tokens)
     """
 
-    def __init__(self, backend: LockBackend, **options: Any) -> None:
-        super().__init__(**options)
+    def __init__(self, backend: LockBackend, *, space: str | None = None,
+                 **options: Any) -> None:
+        super().__init__(space=space or own_space(backend), **options)
         self.backend = backend
 
     def _queueing_backend(self) -> Any:
@@ -543,8 +568,9 @@ class AsyncLockManager(_ManagerBase):
     ...     await write(lease.token)
     """
 
-    def __init__(self, backend: AsyncLockBackend, renewer: LockBackend, **options: Any) -> None:
-        super().__init__(**options)
+    def __init__(self, backend: AsyncLockBackend, renewer: LockBackend, *,
+                 space: str | None = None, **options: Any) -> None:
+        super().__init__(space=space or own_space(renewer), **options)
         self.backend = backend
         self.renewer = renewer
         #: id(lease) -> the loop that took it, while it is held (for ``_on_lost``)
