@@ -204,7 +204,8 @@ def _scheme(url: str) -> str:
 def open_store(url: str | None = None, *, install: bool = False, **options: Any) -> GuardedStore:
     """A sync ``GuardedStore`` for ``url`` (default: settings, i.e. the embedded SQLite file).
 
-    PostgreSQL options: ``schema``, ``min_size``, ``max_size``, ``timeout_s``;
+    PostgreSQL options: ``schema``, ``min_size``, ``max_size``, ``timeout_s``,
+    ``prepare_threshold`` (None behind PgBouncer in transaction mode);
     SQLite options: ``busy_timeout_ms``, ``synchronous``; both: ``autoseal`` (an
     ``AutoSeal``, the default seals within 1 s or 1,000 rows and at close; None: seal
     by hand). ``install=True`` installs or upgrades the schema first.

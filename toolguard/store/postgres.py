@@ -665,12 +665,31 @@ class _Session:
         self.store.sealer.wrote()
 
 
+#: psycopg's own: a statement a connection runs this often is prepared on it.
+DEFAULT_PREPARE_THRESHOLD = 5
+
+
+def _connection_options(prepare_threshold: int | None) -> dict[str, Any]:
+    """The pool's connection options. ``prepare_threshold=None``: the tool's statements are
+    never prepared (behind PgBouncer in transaction mode before 1.21, where a prepared
+    statement stays on a server connection the next transaction may not get); the store's
+    own statements are never prepared either way."""
+    if prepare_threshold is not None and (
+            not isinstance(prepare_threshold, int) or isinstance(prepare_threshold, bool)
+            or prepare_threshold < 0):
+        msg = ("prepare_threshold must be a non-negative integer, or None to never prepare "
+               f"statements (PgBouncer in transaction mode), got {prepare_threshold!r}")
+        raise ConfigurationError(msg)
+    return {"autocommit": True, "prepare_threshold": prepare_threshold}
+
+
 class PostgresStore(_PgBase):
     """The guarded store on PostgreSQL; one pool, shared by every thread of a process."""
 
     def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
                  max_size: int = 10, timeout_s: float = 10.0,
-                 autoseal: AutoSeal | None = DEFAULT_AUTOSEAL) -> None:
+                 autoseal: AutoSeal | None = DEFAULT_AUTOSEAL,
+                 prepare_threshold: int | None = DEFAULT_PREPARE_THRESHOLD) -> None:
         super().__init__(url, schema)
         #: Seals the audit rows this store writes (``toolguard.store.autoseal``; None: off).
         self.sealer = AutoSealer(functools.partial(
@@ -678,7 +697,7 @@ class PostgresStore(_PgBase):
             name="toolguard-autoseal-pg")
         self._pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
-            kwargs={"autocommit": True}, configure=self._configure,
+            kwargs=_connection_options(prepare_threshold), configure=self._configure,
             name=f"toolguard-store{'-' + schema if schema else ''}")
         self._check_first_contact()
         self._pool.open(wait=False)
@@ -948,7 +967,8 @@ class AsyncPostgresStore(_PgBase):
 
     def __init__(self, url: str, *, schema: str | None = None, min_size: int = 1,
                  max_size: int = 10, timeout_s: float = 10.0, install: bool = False,
-                 autoseal: AutoSeal | None = DEFAULT_AUTOSEAL) -> None:
+                 autoseal: AutoSeal | None = DEFAULT_AUTOSEAL,
+                 prepare_threshold: int | None = DEFAULT_PREPARE_THRESHOLD) -> None:
         super().__init__(url, schema)
         #: Seals the audit rows this store writes, in a thread on a connection of its own.
         self.sealer = AutoSealer(functools.partial(
@@ -963,7 +983,7 @@ class AsyncPostgresStore(_PgBase):
         self._install_lock = asyncio.Lock()
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
-            kwargs={"autocommit": True}, configure=self._configure,
+            kwargs=_connection_options(prepare_threshold), configure=self._configure,
             name=f"toolguard-astore{'-' + schema if schema else ''}")
         self._opened = False
 
