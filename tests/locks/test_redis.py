@@ -19,7 +19,7 @@ from redis.crc import key_slot
 from servers import RedisServer
 
 from toolguard.errors import LockLost, NotOwned
-from toolguard.locks import connect, connect_async
+from toolguard.locks import LockManager, connect, connect_async, open_backend
 from toolguard.locks.redis import redis_keys
 
 SLACK_S = 1.0
@@ -43,11 +43,17 @@ def test_escaping_keeps_distinct_keys_apart() -> None:
     assert len({redis_keys(key)[0][0] for key in keys}) == len(keys)
 
 
+def elsewhere(url: str) -> LockManager:
+    """A manager that waits at the server as another process would: its backend is handed
+    in directly, so it shares no claims with ``connect``'s managers in this process."""
+    return LockManager(open_backend(url))
+
+
 def test_live_keys_of_a_lock_share_one_slot(redis_url: str, unique: str) -> None:
     """Every key the scripts create for a lock (queue, presence, wake-up list) is in one slot."""
     key = f"t{unique}:{{tagged}}"
     client = redis.Redis.from_url(redis_url)
-    with connect(redis_url) as holder, connect(redis_url) as waiter:
+    with connect(redis_url) as holder, elsewhere(redis_url) as waiter:
         lease = holder.acquire(key, ttl_ms=5_000)
         waiting = threading.Thread(target=lambda: waiter.acquire(key, timeout_s=5).release())
         waiting.start()
@@ -63,7 +69,7 @@ def test_counters_and_queues_expire(redis_url: str, unique: str) -> None:
     key = f"t{unique}:expiring"
     lock, fence, queue, presence = redis_keys(key)[0]
     client = redis.Redis.from_url(redis_url)
-    with connect(redis_url) as holder, connect(redis_url) as waiter:
+    with connect(redis_url) as holder, elsewhere(redis_url) as waiter:
         with holder.acquire(key, ttl_ms=5_000):
             assert client.pttl(fence) > 0
             assert 0 < client.pttl(lock) <= 5_000
