@@ -35,7 +35,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -116,15 +116,9 @@ class VerifyingKey:
     _public: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_key_id(self.key_id)
-        if self.algorithm == "ed25519":
-            if len(self.material) != 32:
-                msg = f"an Ed25519 public key is 32 bytes, got {len(self.material)}"
-                raise FenceKeyError(msg)
-            public = _ed25519().Ed25519PublicKey.from_public_bytes(self.material)
-            object.__setattr__(self, "_public", public)
-        else:
-            _check_hmac(self.material)
+        public = _checked(self.key_id, self.algorithm, self.material, "public key",
+                          lambda ed25519, raw: ed25519.Ed25519PublicKey.from_public_bytes(raw))
+        object.__setattr__(self, "_public", public)
 
     def verify(self, data: bytes, signature: bytes) -> bool:
         """True if ``signature`` is this key's signature of ``data``."""
@@ -140,8 +134,7 @@ class VerifyingKey:
 
     def text(self) -> str:
         """The key's one-line text (for an HMAC key, that is the secret: keep it so)."""
-        kind = "ed25519-public" if self.algorithm == "ed25519" else "hmac-sha256"
-        return f"{_PREFIX}.{kind}.{self.key_id}.{_b64encode(self.material)}"
+        return _key_text("ed25519-public", self.algorithm, self.key_id, self.material)
 
     @property
     def secret(self) -> bool:
@@ -159,15 +152,9 @@ class SigningKey:
     _private: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_key_id(self.key_id)
-        if self.algorithm == "ed25519":
-            if len(self.material) != 32:
-                msg = f"an Ed25519 private key (seed) is 32 bytes, got {len(self.material)}"
-                raise FenceKeyError(msg)
-            private = _ed25519().Ed25519PrivateKey.from_private_bytes(self.material)
-            object.__setattr__(self, "_private", private)
-        else:
-            _check_hmac(self.material)
+        private = _checked(self.key_id, self.algorithm, self.material, "private key (seed)",
+                           lambda ed25519, raw: ed25519.Ed25519PrivateKey.from_private_bytes(raw))
+        object.__setattr__(self, "_private", private)
 
     def sign(self, data: bytes) -> bytes:
         if self.algorithm == "hmac-sha256":
@@ -187,11 +174,29 @@ class SigningKey:
 
     def text(self) -> str:
         """The private key's one-line text: write it only to a 0600 file or a secret store."""
-        kind = "ed25519-private" if self.algorithm == "ed25519" else "hmac-sha256"
-        return f"{_PREFIX}.{kind}.{self.key_id}.{_b64encode(self.material)}"
+        return _key_text("ed25519-private", self.algorithm, self.key_id, self.material)
 
     def __repr__(self) -> str:
         return f"SigningKey(key_id={self.key_id!r}, algorithm={self.algorithm!r})"
+
+
+def _checked(key_id: str, algorithm: Algorithm, material: bytes, what: str,
+             make: Callable[[Any, bytes], Any]) -> Any:
+    """A key's id and material checked; ``make(ed25519, material)`` for an Ed25519 key
+    (the ``cryptography`` object), None for an HMAC secret."""
+    _check_key_id(key_id)
+    if algorithm != "ed25519":
+        _check_hmac(material)
+        return None
+    if len(material) != 32:
+        msg = f"an Ed25519 {what} is 32 bytes, got {len(material)}"
+        raise FenceKeyError(msg)
+    return make(_ed25519(), material)
+
+
+def _key_text(ed25519_kind: str, algorithm: Algorithm, key_id: str, material: bytes) -> str:
+    kind = ed25519_kind if algorithm == "ed25519" else "hmac-sha256"
+    return f"{_PREFIX}.{kind}.{key_id}.{_b64encode(material)}"
 
 
 def _check_key_id(key_id: object) -> None:
