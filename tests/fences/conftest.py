@@ -8,6 +8,7 @@ service's, as it would be in production.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -109,14 +110,21 @@ def service_store_url(request, unique, tmp_path) -> Iterator[tuple[str, str | No
         drop_schema(postgres_url, schema)
 
 
-def _service(factory: str, store: tuple[str, str | None]) -> Iterator[ServiceProcess]:
+def _service(factory: str, store: tuple[str, str | None],
+             log: Path | None = None) -> Iterator[ServiceProcess]:
     from servers import free_port
 
-    process = ServiceProcess(factory, store[0], store[1], free_port()).start()
+    process = ServiceProcess(factory, store[0], store[1], free_port(), log=log)
     try:
-        yield process
+        yield process.start()
     finally:
         process.stop()
+
+
+def logged_service(factory: str, store: tuple[str, str | None],
+                   tmp_path: Path) -> Iterator[ServiceProcess]:
+    """A service whose stderr goes to ``tmp_path/server.log`` (read for warnings after)."""
+    yield from _service(factory, store, log=tmp_path / "server.log")
 
 
 @pytest.fixture
@@ -129,19 +137,25 @@ def mcp_service(service_store_url) -> Iterator[ServiceProcess]:
     yield from _service("fences.service_app:create_mcp_app", service_store_url)
 
 
+@contextlib.contextmanager
+def opened_store(process: ServiceProcess) -> Iterator[GuardedStore]:
+    """The store a running service keeps its fences, intents, audit and leads in."""
+    options = {"schema": process.schema} if process.schema else {}
+    with open_store(process.store_url, **options) as store:
+        yield store
+
+
 @pytest.fixture
 def service_store(service: ServiceProcess) -> Iterator[GuardedStore]:
     """The running service's store, read by the tests (fences, intents, audit, leads)."""
-    options = {"schema": service.schema} if service.schema else {}
-    with open_store(service.store_url, **options) as store:
+    with opened_store(service) as store:
         yield store
 
 
 @pytest.fixture
 def mcp_store(mcp_service: ServiceProcess) -> Iterator[GuardedStore]:
     """The running MCP server's store."""
-    options = {"schema": mcp_service.schema} if mcp_service.schema else {}
-    with open_store(mcp_service.store_url, **options) as store:
+    with opened_store(mcp_service) as store:
         yield store
 
 

@@ -32,7 +32,7 @@ from toolguard.fences.scope import scoped_key
 from toolguard.fences.wire import Fences
 from toolguard.store import GuardedStore, open_store
 
-from .conftest import ServiceProcess, leads
+from .conftest import ServiceProcess, leads, logged_service
 
 POOL_WARNINGS = ("closing returned connection", "Bad file descriptor", "is used by transport",
                  "Task exception was never retrieved", "query cancellation", "never awaited")
@@ -45,15 +45,7 @@ SETTLE_S = 5.0
 
 @pytest.fixture
 def harness_service(request, service_store_url, tmp_path) -> Iterator[ServiceProcess]:
-    from servers import free_port
-
-    url, schema = service_store_url
-    process = ServiceProcess(f"fences.cancel_app:{request.param}", url, schema, free_port(),
-                             log=tmp_path / "server.log")
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+    yield from logged_service(f"fences.cancel_app:{request.param}", service_store_url, tmp_path)
 
 
 def store_of(service: ServiceProcess) -> GuardedStore:

@@ -14,9 +14,9 @@ from mcp.shared.exceptions import MCPError
 from toolguard.adapters import guarded
 from toolguard.fences import FencedSession, Fences, FenceSigner, guarded_mcp_tools
 from toolguard.locks import connect
-from toolguard.store import GuardedStore, open_store
+from toolguard.store import GuardedStore
 
-from .conftest import ServiceProcess, leads, make_guard
+from .conftest import ServiceProcess, leads, make_guard, opened_store
 from .test_claims_rest import NEW, OLD, STRANGER, _start
 
 
@@ -31,8 +31,7 @@ def signed_mcp(service_store_url) -> Iterator[ServiceProcess]:
 
 @pytest.fixture
 def store(signed_mcp: ServiceProcess) -> Iterator[GuardedStore]:
-    options = {"schema": signed_mcp.schema} if signed_mcp.schema else {}
-    with open_store(signed_mcp.store_url, **options) as opened:
+    with opened_store(signed_mcp) as opened:
         yield opened
 
 

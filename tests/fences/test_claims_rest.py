@@ -20,7 +20,7 @@ from toolguard.fences.keys import SigningKey
 from toolguard.locks import connect
 from toolguard.store import GuardedStore, open_store
 
-from .conftest import ServiceProcess, audit, leads, make_guard
+from .conftest import ServiceProcess, audit, leads, make_guard, opened_store
 
 OLD, NEW, STRANGER = (generate_signing_key("k1"), generate_signing_key("k2"),
                       generate_signing_key("k9"))
@@ -54,8 +54,7 @@ def signed_service(service_store_url) -> Iterator[ServiceProcess]:
 
 @pytest.fixture
 def store(signed_service: ServiceProcess) -> Iterator[GuardedStore]:
-    options = {"schema": signed_service.schema} if signed_service.schema else {}
-    with open_store(signed_service.store_url, **options) as opened:
+    with opened_store(signed_service) as opened:
         yield opened
 
 

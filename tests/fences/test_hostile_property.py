@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from toolguard.fences.problems import MCP_CODES
 from toolguard.store import GuardedStore, open_store
 
-from .conftest import ServiceProcess
+from .conftest import ServiceProcess, logged_service
 from .hostile_json import any_json, meta_json, nasty_text, string_json
 from .mcp_raw import RawMcp
 
@@ -38,15 +38,7 @@ NIGHTLY_EXAMPLES = 3000
 
 @pytest.fixture
 def logged(request, service_store_url, tmp_path) -> Iterator[ServiceProcess]:
-    from servers import free_port
-
-    url, schema = service_store_url
-    process = ServiceProcess(f"fences.service_app:{request.param}", url, schema, free_port(),
-                             log=tmp_path / "server.log")
-    try:
-        yield process.start()
-    finally:
-        process.stop()
+    yield from logged_service(f"fences.service_app:{request.param}", service_store_url, tmp_path)
 
 
 def audit_count(store: GuardedStore) -> int:

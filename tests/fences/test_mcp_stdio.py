@@ -84,9 +84,8 @@ def stdio_server(service_store_url: tuple[str, str | None]) -> Iterator[tuple[St
     finally:
         del os.environ["FENCES_STORE_URL"], os.environ["FENCES_SCHEMA"]
     server = StdioServer(url, schema)
-    options = {"schema": schema} if schema else {}
     try:
-        with open_store(url, **options) as store:
+        with open_store(url, **({"schema": schema} if schema else {})) as store:
             yield server, store
     finally:
         server.stop()

@@ -21,20 +21,21 @@ counts of every run the CI test makes.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import json
-import os
-import shutil
-import subprocess
 import sys
-import tarfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":  # run by hand (python tests/<suite>/suite.py): tests/ on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import peer_suite
+from peer_suite import SuiteUnavailable
+
+__all__ = ["SuiteUnavailable", "fetch", "run", "run_all"]
 
 PACKAGE = "langchain"
 PLUGIN_DIR = Path(__file__).resolve().parent
@@ -58,10 +59,6 @@ TEST_DEPENDENCIES = {
 LANGCHAIN_OPTIONS = ("--benchmark-disable", "--disable-socket", "--allow-unix-socket")
 #: One run; a loaded machine runs the suite several times slower than an idle one.
 RUN_TIMEOUT_S = 1800
-
-
-class SuiteUnavailable(Exception):
-    """The suite could not be fetched or its test dependencies are missing."""
 
 
 @dataclass(frozen=True)
@@ -118,83 +115,34 @@ class Run:
 
 
 def missing_dependencies() -> list[str]:
-    return [distribution for module, distribution in TEST_DEPENDENCIES.items()
-            if importlib.util.find_spec(module) is None]
+    return peer_suite.missing_dependencies(TEST_DEPENDENCIES)
 
 
 def installed_version() -> str:
-    return importlib.metadata.version(PACKAGE)
+    return peer_suite.installed_version(PACKAGE)
 
 
 def fetch(folder: Path) -> Path:
     """Download and unpack the installed version's sdist; return the unpacked root."""
-    version = installed_version()
-    download = folder / "download"
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "--quiet", "--dest", str(download),
-               f"{PACKAGE}=={version}"]
-    if importlib.util.find_spec("hatchling") is not None:
-        # pip prepares the sdist's metadata with its build backend (hatchling); installed,
-        # it need not fetch one into an isolated build environment first.
-        command.append("--no-build-isolation")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    archives = sorted(download.glob("*.tar.gz"))
-    if done.returncode != 0 or not archives:
-        raise SuiteUnavailable(f"pip download {PACKAGE}=={version} failed: "
-                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
-    with tarfile.open(archives[0]) as archive:
-        archive.extractall(folder / "src", filter="data")
-    (root,) = (folder / "src").iterdir()
-    _check_same_sources(root)
-    shutil.rmtree(root / "langchain")  # the tests must import the installed package
-    return root
-
-
-def _check_same_sources(root: Path) -> None:
-    """The sdist's ``langchain`` package must be the installed one, byte for byte."""
     import langchain
 
-    installed = Path(langchain.__file__).parent
-    shipped = root / "langchain"
-    names = {p.relative_to(shipped) for p in shipped.rglob("*.py")}
-    if names != {p.relative_to(installed) for p in installed.rglob("*.py")}:
-        raise SuiteUnavailable(f"{shipped} and {installed} hold different files")
-    changed = [str(name) for name in sorted(names)
-               if (shipped / name).read_bytes() != (installed / name).read_bytes()]
-    if changed:
-        raise SuiteUnavailable(f"the sdist's sources differ from the installed ones: {changed}")
+    return peer_suite.fetch_sdist(folder, PACKAGE, installed=Path(langchain.__file__).parent,
+                                  shipped="langchain", timeout_s=RUN_TIMEOUT_S)
 
 
 def run(root: Path, variant: Variant, out: Path, tests: list[str] | None = None) -> Run:
     """Run the agent tests (or only ``tests``) once, unmodified, configured for ``variant``."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PYTEST_", "TOOLGUARD_SUITE_"))}
-    env.update(variant.environment())
-    env.update({
-        "TOOLGUARD_SUITE_DIR": str(out),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), env.get("PYTHONPATH")])),
-        # The suite's own default: in-memory checkpointers and stores only (its PostgreSQL
-        # and SQLite parametrizations need the servers of its docker compose files).
-        "LANGGRAPH_TEST_FAST": "true",
-    })
+    environment = variant.environment()
     if tests:
+        out.mkdir(parents=True, exist_ok=True)
         only = out / "only.txt"
         only.write_text("".join(f"{test}\n" for test in tests))
-        env["TOOLGUARD_SUITE_ONLY"] = str(only)
-    log = out / "pytest.log"
-    command = [sys.executable, "-m", "pytest", TESTS, *LANGCHAIN_OPTIONS,
-               "-p", "toolguard_agent_plugin", "-p", "no:cacheprovider", "-q"]
-    started = time.monotonic()
-    with log.open("w") as sink:
-        done = subprocess.run(command, cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                              timeout=RUN_TIMEOUT_S)
-    seconds = time.monotonic() - started
-    summary_path = out / "summary.json"
-    if not summary_path.exists():
-        raise SuiteUnavailable(f"{variant.name}: no summary (exit {done.returncode}); see {log}")
-    summary = json.loads(summary_path.read_text())["tests"]
-    return Run(variant, summary, done.returncode, seconds, log)
+        environment["TOOLGUARD_SUITE_ONLY"] = str(only)
+    done = peer_suite.run_suite(root, out, variant.name, plugin_dir=PLUGIN_DIR,
+                                environment=environment,
+                                arguments=[TESTS, *LANGCHAIN_OPTIONS, "-p", "toolguard_agent_plugin"],
+                                timeout_s=RUN_TIMEOUT_S)
+    return Run(variant, done.tests, done.returncode, done.seconds, done.log)
 
 
 @dataclass

@@ -13,19 +13,20 @@ counts of every run the CI test makes.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-import json
-import os
-import shutil
-import subprocess
 import sys
-import tarfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":  # run by hand (python tests/<suite>/suite.py): tests/ on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import peer_suite
+from peer_suite import SuiteUnavailable
+
+__all__ = ["SuiteUnavailable", "fetch", "run", "run_all"]
 
 PACKAGE = "langgraph-prebuilt"
 PLUGIN_DIR = Path(__file__).resolve().parent
@@ -38,10 +39,6 @@ TEST_DEPENDENCIES = {
     "langgraph.checkpoint.postgres": "langgraph-checkpoint-postgres",
 }
 RUN_TIMEOUT_S = 600
-
-
-class SuiteUnavailable(Exception):
-    """The suite could not be fetched or its test dependencies are missing."""
 
 
 @dataclass(frozen=True)
@@ -99,85 +96,29 @@ class Run:
 
 
 def missing_dependencies() -> list[str]:
-    missing = []
-    for module, distribution in TEST_DEPENDENCIES.items():
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(distribution)
-    return missing
+    return peer_suite.missing_dependencies(TEST_DEPENDENCIES)
 
 
 def installed_version() -> str:
-    return importlib.metadata.version(PACKAGE)
+    return peer_suite.installed_version(PACKAGE)
 
 
 def fetch(folder: Path) -> Path:
     """Download and unpack the installed version's sdist; return the unpacked root."""
-    version = installed_version()
-    download = folder / "download"
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "--quiet", "--dest", str(download),
-               f"{PACKAGE}=={version}"]
-    if importlib.util.find_spec("hatchling") is not None:
-        # pip prepares the sdist's metadata with its build backend; with hatchling
-        # installed it need not fetch one into an isolated build environment first.
-        command.append("--no-build-isolation")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    archives = sorted(download.glob("*.tar.gz"))
-    if done.returncode != 0 or not archives:
-        raise SuiteUnavailable(f"pip download {PACKAGE}=={version} failed: "
-                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
-    with tarfile.open(archives[0]) as archive:
-        archive.extractall(folder / "src", filter="data")
-    (root,) = (folder / "src").iterdir()
-    _check_same_sources(root)
-    shutil.rmtree(root / "langgraph")  # the tests must import the installed package
-    return root
-
-
-def _check_same_sources(root: Path) -> None:
-    """The sdist's ``langgraph/prebuilt`` must be the installed one, byte for byte."""
     import langgraph.prebuilt
 
-    installed = Path(langgraph.prebuilt.__file__).parent
-    shipped = root / "langgraph" / "prebuilt"
-    names = {p.relative_to(shipped) for p in shipped.rglob("*.py")}
-    if names != {p.relative_to(installed) for p in installed.rglob("*.py")}:
-        raise SuiteUnavailable(f"{shipped} and {installed} hold different files")
-    changed = [str(name) for name in sorted(names)
-               if (shipped / name).read_bytes() != (installed / name).read_bytes()]
-    if changed:
-        raise SuiteUnavailable(f"the sdist's sources differ from the installed ones: {changed}")
+    return peer_suite.fetch_sdist(folder, PACKAGE,
+                                  installed=Path(langgraph.prebuilt.__file__).parent,
+                                  shipped="langgraph/prebuilt", timeout_s=RUN_TIMEOUT_S)
 
 
 def run(root: Path, variant: Variant, out: Path, tests: list[str] | None = None) -> Run:
     """Run the suite's ``tests/`` (or only ``tests``) once, unmodified, configured for ``variant``."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PYTEST_", "TOOLGUARD_SUITE_"))}
-    env.update(variant.environment())
-    env.update({
-        "TOOLGUARD_SUITE_DIR": str(out),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), env.get("PYTHONPATH")])),
-        # The suite's own default: in-memory checkpointers and stores only. Its PostgreSQL
-        # parametrizations create databases on a server of their own (port 5442) and
-        # are not generated in this mode.
-        "LANGGRAPH_TEST_FAST": "true",
-    })
-    log = out / "pytest.log"
-    command = [sys.executable, "-m", "pytest", *(tests or ["tests"]), "-p", "toolguard_suite_plugin",
-               "-p", "no:cacheprovider", "-q"]
-    started = time.monotonic()
-    with log.open("w") as sink:
-        done = subprocess.run(command, cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                              timeout=RUN_TIMEOUT_S)
-    seconds = time.monotonic() - started
-    summary_path = out / "summary.json"
-    if not summary_path.exists():
-        raise SuiteUnavailable(f"{variant.name}: no summary (exit {done.returncode}); see {log}")
-    tests = json.loads(summary_path.read_text())["tests"]
-    return Run(variant, tests, done.returncode, seconds, log)
+    done = peer_suite.run_suite(root, out, variant.name, plugin_dir=PLUGIN_DIR,
+                                environment=variant.environment(),
+                                arguments=[*(tests or ["tests"]), "-p", "toolguard_suite_plugin"],
+                                timeout_s=RUN_TIMEOUT_S)
+    return Run(variant, done.tests, done.returncode, done.seconds, done.log)
 
 
 @dataclass
