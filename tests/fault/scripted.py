@@ -32,7 +32,7 @@ class ScriptedAgent:
         self.setup = setup
         self.journal = journal
         self.ttl_ms = ttl_ms or setup.ttl_ms
-        self.locks: LockManager = setup.locks()
+        self.locks: LockManager = setup.separate_locks()  # an agent process of its own
         self.store: GuardedStore = setup.open_store()
         self._count = 0
 

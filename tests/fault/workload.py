@@ -86,6 +86,15 @@ class Setup:
         return connect(self.lock_url, ttl_ms=self.ttl_ms, timeout_s=self.wait_s,
                        **self.lock_options)
 
+    def separate_locks(self) -> LockManager:
+        """A manager as another process has one: it shares its claims with no other manager
+        of this process (``connect``'s managers for one URL share theirs)."""
+        made = self.locks()
+        return LockManager(made.backend, space=f"separate-{uuid.uuid4().hex}",
+                           ttl_ms=made.ttl_ms, timeout_s=made.timeout_s,
+                           round_wait_s=made.round_wait_s, backoff_base_s=made.backoff_base_s,
+                           backoff_cap_s=made.backoff_cap_s)
+
     def install(self) -> GuardedStore:
         """Install the store schema and the ledger tables; returns the open store."""
         store = self.open_store(install=True)

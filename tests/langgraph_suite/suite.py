@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,9 +142,11 @@ class Results:
         if not tests:
             return set()
         chosen = sorted(tests)
-        again = run(self.root, self.runs[variant].variant, self.folder / "reruns" / variant, chosen)
-        plain = run(self.root, self.runs["plain"].variant, self.folder / "reruns" / f"plain-{variant}",
-                    chosen)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            again, plain = pool.map(
+                lambda name: run(self.root, self.runs[name].variant,
+                                 self.folder / "reruns" / f"{name}-{variant}", chosen),
+                (variant, "plain"))
         return {test for test in chosen if test in again.tests and
                 again.outcomes[test] == plain.outcomes.get(test)}
 
@@ -153,7 +156,9 @@ def run_all(folder: Path, variants: tuple[Variant, ...] = VARIANTS) -> Results:
     started = time.monotonic()
     root = fetch(folder)
     fetched = time.monotonic() - started
-    runs = {v.name: run(root, v, folder / "runs" / v.name) for v in variants}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two subprocesses at a time
+        done = pool.map(lambda v: run(root, v, folder / "runs" / v.name), variants)
+        runs = {v.name: result for v, result in zip(variants, done, strict=True)}
     return Results(root, folder, runs, fetched)
 
 

@@ -60,6 +60,10 @@ class AutoSeal:
 DEFAULT_AUTOSEAL = AutoSeal()
 
 
+#: The longest wait between two tries of a sealer whose seals fail.
+MAX_RETRY_S = 60.0
+
+
 class AutoSealer:
     """The sealing thread of one store: ``wrote()`` after each committed audit row, ``close()``
     at the end.
@@ -85,6 +89,7 @@ class AutoSealer:
         self._started = False
         self._start = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._failures = 0  # seals failed in a row: the next try waits longer
 
     @property
     def pending(self) -> int:
@@ -118,7 +123,11 @@ class AutoSealer:
     def _run(self) -> None:
         assert self.every is not None
         while True:
-            self._wake.wait(timeout=self.every.seconds)
+            # after failures the next try waits twice as long each time, up to a minute:
+            # a store that is down (or a schema dropped) is not asked every second
+            wait = min(self.every.seconds * 2 ** min(self._failures, 16),
+                       max(self.every.seconds, MAX_RETRY_S))
+            self._wake.wait(timeout=wait)
             self._wake.clear()
             if self._closing:
                 return
@@ -131,9 +140,11 @@ class AutoSealer:
         try:
             result = self._seal()
         except Exception as error:  # the store may be what is down: the rows wait for the next try
-            log.warning("toolguard could not seal the audit log (%s rows wait): %s",
-                        target - self._sealed, error)
+            self._failures += 1
+            log.warning("toolguard could not seal the audit log (%s rows wait; try %d): %s",
+                        target - self._sealed, self._failures, error)
             return
+        self._failures = 0
         if result.deferred is None:  # else a writer's open transaction held the range back
             self._sealed = max(self._sealed, target)
 
