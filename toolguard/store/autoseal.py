@@ -61,7 +61,7 @@ DEFAULT_AUTOSEAL = AutoSeal()
 
 
 #: The longest wait between two tries of a sealer whose seals fail.
-MAX_RETRY_S = 60.0
+MAX_RETRY_S = 10.0
 
 
 class AutoSealer:
@@ -123,7 +123,7 @@ class AutoSealer:
     def _run(self) -> None:
         assert self.every is not None
         while True:
-            # after failures the next try waits twice as long each time, up to a minute:
+            # after failures the next try waits twice as long each time, up to MAX_RETRY_S:
             # a store that is down (or a schema dropped) is not asked every second
             wait = min(self.every.seconds * 2 ** min(self._failures, 16),
                        max(self.every.seconds, MAX_RETRY_S))
