@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import free_port
+from servers import free_port, stop_process
 
 __all__ = [
     "ETCD_BINARY",
@@ -146,13 +146,8 @@ class EtcdMember:
 
     def stop(self) -> None:
         """SIGTERM (then SIGKILL); the data directory stays."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
+        if self.process is not None:
+            stop_process(self.process)
         self.process = None
 
     def restart(self, timeout_s: float = 20.0) -> None:

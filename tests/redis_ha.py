@@ -33,7 +33,7 @@ import pytest
 import redis
 from proxy import TcpProxy
 from redis.cluster import key_slot
-from servers import ON_CI, REDIS_SERVER, free_port
+from servers import ON_CI, REDIS_SERVER, free_port, stop_process
 
 __all__ = [
     "RedisClusterGroup",
@@ -150,12 +150,7 @@ class RedisNode:
         if self.alive:
             assert self.process is not None
             self.resume()
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
+            stop_process(self.process)
 
     def log_tail(self, lines: int = 10) -> str:
         try:

@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,18 @@ __all__ = ["REDIS_SERVER", "RedisServer", "free_port", "private_redis"]
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def stop_process(process: subprocess.Popen[Any], timeout_s: float = 5.0) -> None:
+    """SIGTERM a child this test run started, then SIGKILL if it is still there."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=timeout_s)
 
 
 def free_port() -> int:
@@ -85,13 +98,8 @@ class RedisServer:
 
     def stop(self) -> None:
         """Shut down (SIGTERM, then SIGKILL) and remove the data directory."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
+        if self.process is not None:
+            stop_process(self.process)
         self.process = None
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from servers import stop_process
 
 from toolguard.fences.mcp_server import REPEATED_META_KEY
 from toolguard.fences.mcp_stdio import mark_repeated
@@ -64,13 +65,7 @@ class StdioServer:
         return self.answer(request_id)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process, timeout_s=10)
 
 
 @pytest.fixture
