@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 from servers import RedisServer
 
 from locks.backends import LockEnv
 from toolguard.errors import LockTimeout
-from toolguard.locks import Lease, connect, connect_async, heartbeat
+from toolguard.locks import AsyncLockManager, Lease, connect, connect_async, heartbeat
 
 TTL_MS = 30_000  # the first lease stays live through the whole test
 WAIT_S = 0.5  # the second acquisition's own deadline
@@ -79,6 +80,25 @@ def test_a_second_acquisition_waits_for_the_local_release(backend: LockEnv) -> N
     got[0].release()
 
 
+async def refused_then_handed_on(manager: AsyncLockManager, key: str,
+                                 let_go: Callable[[], Awaitable[None]]) -> None:
+    """While another holder of this process has ``key``: ``manager`` times out on it, then a
+    waiting acquisition gets it once ``let_go()`` releases it."""
+    with pytest.raises(LockTimeout):
+        await manager.acquire(key, timeout_s=WAIT_S)
+
+    async def acquire() -> Lease:
+        lease: Lease = await manager.acquire(key, timeout_s=30)
+        return lease
+
+    waiting = asyncio.create_task(acquire())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # nothing granted while the first lease is live
+    await let_go()
+    lease = await asyncio.wait_for(waiting, 60)
+    await lease.arelease()
+
+
 def test_the_asyncio_manager_never_grants_a_key_it_holds(backend: LockEnv) -> None:
     key = backend.key("aheld")
 
@@ -88,17 +108,7 @@ def test_the_asyncio_manager_never_grants_a_key_it_holds(backend: LockEnv) -> No
             first = await manager.acquire(key)
             heartbeat().remove(first)
             await asyncio.to_thread(backend.drop, key)
-            with pytest.raises(LockTimeout):
-                await manager.acquire(key, timeout_s=WAIT_S)
-            async def acquire_again() -> Lease:
-                return await manager.acquire(key, timeout_s=30)
-
-            second = asyncio.create_task(acquire_again())
-            await asyncio.sleep(0)
-            assert not second.done()
-            await first.arelease()
-            lease = await asyncio.wait_for(second, 60)
-            await lease.arelease()
+            await refused_then_handed_on(manager, key, first.arelease)
         finally:
             await manager.aclose()
 
@@ -106,8 +116,8 @@ def test_the_asyncio_manager_never_grants_a_key_it_holds(backend: LockEnv) -> No
 
 
 def test_another_manager_of_the_process_does_not_get_a_key_held(backend: LockEnv) -> None:
-    """Per process, not per manager: a second ``connect``/``connect_async`` for the same
-    URL waits for the first's live lease; a manager for another namespace does not."""
+    """Per process, not per manager: a second ``connect`` and a ``connect_async`` for the
+    same URL wait for the first's live lease, and get the key once it is released."""
     holder = backend.manager(ttl_ms=TTL_MS)
     other = backend.manager(ttl_ms=TTL_MS)
     key = backend.key("process")
@@ -121,17 +131,9 @@ def test_another_manager_of_the_process_does_not_get_a_key_held(backend: LockEnv
         async def from_asyncio() -> None:
             manager = backend.async_manager(ttl_ms=TTL_MS)
             try:
-                with pytest.raises(LockTimeout):
-                    await manager.acquire(key, timeout_s=WAIT_S)
-                async def acquire() -> Lease:
-                    return await manager.acquire(key, timeout_s=30)
-
-                waiting = asyncio.create_task(acquire())
-                await asyncio.sleep(0.05)
-                assert not waiting.done()
-                await asyncio.to_thread(first.release)  # the sync holder lets go: handed on
-                lease = await asyncio.wait_for(waiting, 60)
-                await lease.arelease()
+                # the sync holder lets go (off the loop): the claim is handed on
+                await refused_then_handed_on(manager, key,
+                                             lambda: asyncio.to_thread(first.release))
             finally:
                 await manager.aclose()
 
