@@ -56,21 +56,30 @@ def password_postgres() -> Iterator[PgServer]:
         server.cleanup()
 
 
+# Each helper closes what it opened: a pool left to the garbage collector is torn down
+# in whichever later test's event loop the collection happens to run (a blocking join).
+
+
 def _acquire(url: str) -> None:
-    with connect(url, timeout_s=5).acquire(["texts:k"], ttl_ms=5_000):
+    with connect(url, timeout_s=5) as locks, locks.acquire(["texts:k"], ttl_ms=5_000):
         pass
 
 
 def _aacquire(url: str) -> None:
     async def main() -> None:
-        async with connect_async(url, timeout_s=5).acquire(["texts:k"], ttl_ms=5_000):
-            pass
+        locks = connect_async(url, timeout_s=5)
+        try:
+            async with locks.acquire(["texts:k"], ttl_ms=5_000):
+                pass
+        finally:
+            await locks.aclose()
 
     asyncio.run(main())
 
 
 def _store(url: str) -> None:
-    open_store(url).schema_version()
+    with open_store(url) as store:
+        store.schema_version()
 
 
 def _astore(url: str) -> None:
