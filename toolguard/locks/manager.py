@@ -616,7 +616,7 @@ class AsyncLockManager(_ManagerBase):
                 self._loops[id(lease)] = asyncio.get_running_loop()
                 return lease
             missing = next((k for k in plan.keys if k not in plan.grants), plan.keys[0])
-            await self._give_back(plan.keys, plan.owner)
+            await finish(self._give_back(plan.keys, plan.owner))
             pause = plan.backoff_s()
             if pause is None:
                 raise plan.failure(missing)
@@ -630,7 +630,10 @@ class AsyncLockManager(_ManagerBase):
         while True:
             sent = time.monotonic()
             try:
-                attempt = await _not_swallowing(self.backend.try_acquire(key, owner, plan.ttl_ms))
+                # to its end, also when this task is cancelled meanwhile: a request still out
+                # (in a worker thread, on the wire) may yet take the key, and the give-back
+                # that follows a cancellation must come after it, not before
+                attempt = await finish(self.backend.try_acquire(key, owner, plan.ttl_ms))
             except BackendUnavailable as error:
                 pause = plan.retry_s(error, until)
                 if pause is None:
