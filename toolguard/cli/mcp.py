@@ -63,6 +63,14 @@ ListenOption = Annotated[str | None, typer.Option(
     help="Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio.")]
 HideOption = Annotated[bool, typer.Option(
     "--hide-unlisted", help="List only the tools the policy lets this agent call.")]
+AudienceOption = Annotated[str | None, typer.Option(
+    "--sign-for", metavar="AUDIENCE", show_default=False,
+    help="Sign the fences forwarded upstream for this audience (the upstream service's name, "
+         "as its ClaimVerifier has it), for an upstream in signed mode. The key: --signing-key, "
+         "else TOOLGUARD_FENCE_SIGNING_KEY or TOOLGUARD_FENCE_SIGNING_KEY_FILE.")]
+SigningKeyOption = Annotated[Path | None, typer.Option(
+    "--signing-key", metavar="FILE", show_default=False,
+    help="With --sign-for: the private key file `toolguard keys new` wrote (mode 0600).")]
 ElicitOption = Annotated[bool, typer.Option(
     "--elicit/--no-elicit",
     help="Ask the person through MCP elicitation when a call needs approval and the client "
@@ -120,9 +128,21 @@ def _say(text: str) -> None:
     console(stderr=True).print(text, markup=False, soft_wrap=True)
 
 
+def _signer(audience: str | None, key_file: Path | None) -> Any:
+    """The gateway's ``FenceSigner`` (None: fences go upstream unsigned); a key that cannot
+    be read is a ``FenceKeyError`` (exit 2, one line), before anything starts."""
+    if audience is None:
+        if key_file is not None:
+            fail("--signing-key signs for an audience: give --sign-for AUDIENCE too", EXIT_USAGE)
+        return None
+    from toolguard.fences import FenceSigner, load_signing_key
+
+    return FenceSigner(load_signing_key(key_file), audience=audience)
+
+
 async def _serve(policy_path: Path, upstream: Upstream, identity: Identity, *, store: str | None,
                  locks: str | None, listen: str | None, hide_unlisted: bool,
-                 elicit: bool) -> None:
+                 elicit: bool, signer: Any = None) -> None:
     from toolguard.gateway import open_gateway
     from toolguard.guard import ToolGuard
     from toolguard.locks import connect_async
@@ -134,7 +154,7 @@ async def _serve(policy_path: Path, upstream: Upstream, identity: Identity, *, s
                       async_store=open_async_store(store, install=True))
     try:
         server = await open_gateway(guard, upstream, identity=identity,
-                                    hide_unlisted=hide_unlisted, elicit=elicit)
+                                    hide_unlisted=hide_unlisted, elicit=elicit, signer=signer)
         shown_store = redact(store) if store else "./.toolguard/store.db"
         if listen is None:
             _say(f"toolguard gateway: stdio in front of {upstream.label} · policy {policy_path} "
@@ -173,13 +193,16 @@ def _run(policy: Path, upstream: Upstream, identity: Identity, **options: Any) -
 def proxy(policy: PolicyOption, command: CommandArgument = None, upstream: UpstreamOption = None,
           store: StoreOption = None, locks: LocksOption = None, agent: AgentOption = None,
           token: TokenOption = None, listen: ListenOption = None, hide_unlisted: HideOption = False,
-          elicit: ElicitOption = True) -> None:
+          elicit: ElicitOption = True, sign_for: AudienceOption = None,
+          signing_key: SigningKeyOption = None) -> None:
     """Serve an MCP server in front of UPSTREAM: every tools/call guarded by the policy."""
     _need_extra()
     target = _upstream(command, upstream)
     identity = _identity(agent, token, listen)
+    with failures("toolguard mcp"):
+        signer = _signer(sign_for, signing_key)
     _run(policy, target, identity, store=store, locks=locks, listen=listen,
-         hide_unlisted=hide_unlisted, elicit=elicit)
+         hide_unlisted=hide_unlisted, elicit=elicit, signer=signer)
 
 
 @mcp_app.command("example")

@@ -9,11 +9,11 @@ call retried with either replays the recorded answer and never reaches the
 upstream twice.
 
 Inside the guarded call the request goes on to the upstream (FastMCP's proxy)
-with the lease's fences in its ``_meta`` (``upstream_meta``: the one place a
-signed fence claim plugs in), so a fenced upstream (``FenceToolMiddleware``)
-refuses a stale holder itself. Every ``toolguard/*`` entry the client sent is
-the gateway's to set: a client that sends fences, an agent or an intent id is
-refused (``invalid_intent``), audited once.
+with the lease's fences in its ``_meta`` (``upstream_meta``), signed for the
+upstream's audience when the gateway has a ``FenceSigner``, so a fenced upstream
+(``FenceToolMiddleware``, signed mode or not) refuses a stale holder itself.
+Every ``toolguard/*`` entry the client sent is the gateway's to set: a client
+that sends fences, an agent or an intent id is refused (``invalid_intent``), audited once.
 
 What reaches the client: the upstream's answer unchanged (its error results
 and JSON-RPC errors too), a replay with ``toolguard/replayed`` in its
@@ -34,7 +34,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import mcp_types
@@ -54,6 +54,9 @@ from toolguard.gateway.identity import Identity
 from toolguard.guard import ToolGuard
 from toolguard.intent import Intent
 from toolguard.policies import Policy, authorize
+
+if TYPE_CHECKING:
+    from toolguard.fences.claims import FenceSigner
 
 __all__ = [
     "APPROVAL_META_KEY",
@@ -110,16 +113,17 @@ class UpstreamRaised(ToolFailed):
         self.error = error
 
 
-def upstream_meta(downstream: Mapping[str, Any] | None, ctx: CallContext) -> dict[str, Any]:
+def upstream_meta(downstream: Mapping[str, Any] | None, ctx: CallContext,
+                  signer: FenceSigner | None = None) -> dict[str, Any]:
     """The ``_meta`` the upstream gets: the client's own entries, then the lease's fences.
 
-    This is where a signed fence claim plugs in: today the fences travel
-    unsigned (a documented choice for a trusted network between the gateway
-    and its upstream); a signer replaces ``outgoing_fences(...).meta()`` here.
+    With ``signer`` the fences carry claims signed from the gateway's lease for
+    the upstream's audience (a lease already lost raises ``LockLost``: nothing is
+    sent); without, they travel unsigned, for an upstream that trusts its network.
     """
     forwarded = {k: v for k, v in (downstream or {}).items() if not k.startswith(_OURS)}
     if ctx.tokens:
-        forwarded.update(outgoing_fences(idempotent=True).meta())
+        forwarded.update(outgoing_fences(idempotent=True, signer=signer).meta())
     return forwarded
 
 
@@ -129,11 +133,15 @@ class GatewayMiddleware(Middleware):
     ``identity`` says which agent each connection is; ``hide_unlisted`` keeps
     out of ``tools/list`` every tool the policy would refuse this agent;
     ``elicit`` asks the person through MCP elicitation (when the client
-    supports it) for a call that needs approval.
+    supports it) for a call that needs approval; ``signer`` signs the fences
+    forwarded to an upstream in signed mode.
     """
 
     def __init__(self, guard: ToolGuard, identity: Identity, *, hide_unlisted: bool = False,
-                 elicit: bool = True) -> None:
+                 elicit: bool = True, signer: FenceSigner | None = None) -> None:
+        from toolguard.fences.claims import check_signer
+
+        self.signer = check_signer(signer, "GatewayMiddleware")
         self.process_scope = uuid.uuid4().hex  # over stdio, the gateway process is the connection
         self.guard = guard
         self.identity = identity
@@ -164,7 +172,7 @@ class GatewayMiddleware(Middleware):
 
         async def execute(ctx: CallContext) -> Any:
             if request is not None:
-                request.meta = upstream_meta(downstream, ctx)  # what FastMCP's proxy forwards
+                request.meta = upstream_meta(downstream, ctx, self.signer)  # what FastMCP's proxy forwards
             try:
                 result = await call_next(context)
             except Exception as error:  # FastMCP wraps what the upstream raised in a ToolError

@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastmcp import Client, FastMCP
 from fastmcp.client.transports import ClientTransport, StdioTransport, StreamableHttpTransport
@@ -28,6 +28,9 @@ from toolguard.gateway.identity import Identity
 from toolguard.gateway.middleware import GatewayMiddleware
 from toolguard.gateway.schemas import tool_model
 from toolguard.guard import ToolGuard
+
+if TYPE_CHECKING:
+    from toolguard.fences.claims import FenceSigner
 
 __all__ = ["TOKENS_ENV", "Upstream", "UpstreamTool", "list_upstream_tools", "open_gateway", "register_tools"]
 
@@ -105,8 +108,10 @@ def register_tools(guard: ToolGuard, tools: Sequence[UpstreamTool]) -> None:
 
 async def open_gateway(guard: ToolGuard, upstream: Upstream, *,
                        identity: Identity, hide_unlisted: bool = False, elicit: bool = True,
+                       signer: FenceSigner | None = None,
                        name: str = "toolguard-gateway") -> FastMCP:
     """The gateway server for ``upstream``, its tools registered with ``guard`` (see module doc)."""
     register_tools(guard, await list_upstream_tools(upstream))
-    middleware = GatewayMiddleware(guard, identity, hide_unlisted=hide_unlisted, elicit=elicit)
+    middleware = GatewayMiddleware(guard, identity, hide_unlisted=hide_unlisted, elicit=elicit,
+                                   signer=signer)
     return create_proxy(upstream.transport(), name=name, middleware=[middleware])
