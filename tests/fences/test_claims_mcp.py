@@ -125,3 +125,29 @@ def test_guarded_mcp_tools_sign_and_a_refusal_reaches_the_model(signed_mcp, stor
     assert leads(store)[lead] == (9, 1)
     (row,) = store.query_audit(decision="rejected", limit=None)
     assert (row.reason, row.agent, row.intent_id) == ("claim_unknown_key", "intent_scorer", "g-2")
+
+
+def test_a_call_through_fenced_session_whose_lease_is_lost_is_not_sent(signed_mcp, store,
+                                                                       redis_url, tmp_path,
+                                                                       unique):
+    from toolguard.context import current
+    from toolguard.errors import LockLost
+
+    guard = make_guard(tmp_path, "a", redis_url, asynchronous=True)
+    lead = f"{unique}-X"
+
+    @guarded(guard, agent="intent_scorer")
+    async def set_score(lead_id: str, score: int) -> dict:
+        lease = current().lease
+        assert lease is not None
+        lease.mark_lost(LockLost("taken over", keys=lease.keys))
+        async with Client(signed_mcp.url + "/mcp") as client:
+            session = FencedSession(client, signer=FenceSigner(NEW, audience="crm"))
+            result = await session.call_tool("set_score", {"lead_id": lead_id, "score": score})
+        return result.structured_content
+
+    decision = asyncio.run(set_score.arun({"lead_id": lead, "score": 4}, call_id="x-1",
+                                          thread_id="tx"))
+    assert not decision.ok
+    assert store.query_audit(limit=None) == []  # nothing reached the service
+    assert lead not in leads(store)

@@ -215,3 +215,45 @@ def test_recorded_answers_are_scoped_to_the_service_and_the_agent(tmp_path, uniq
     finally:
         crm.stop()
         billing.stop()
+
+
+def test_hmac_keys_and_the_asyncio_client_sign_and_a_lost_lease_sends_nothing(
+        service_store_url, redis_url, tmp_path, unique):
+    """The shared-secret option end to end: a service trusting one HMAC key, asyncio guarded
+    calls through ``AsyncFencedClient``; a call whose lease is lost is neither signed nor sent."""
+    import asyncio
+
+    from toolguard.fences import AsyncFencedClient
+
+    secret = generate_signing_key("h1", "hmac-sha256")
+    service = _start(service_store_url, secret)
+    guard = make_guard(tmp_path, "a", redis_url, asynchronous=True)
+    lead = f"{unique}-H"
+    try:
+        async def main() -> tuple:
+            async with AsyncFencedClient(base_url=service.url,
+                                         signer=FenceSigner(secret, audience="crm")) as http:
+                @guarded(guard, agent="intent_scorer")
+                async def set_score(lead_id: str, score: int, lose: bool = False) -> dict:
+                    if lose:
+                        lease = current().lease
+                        assert lease is not None
+                        lease.mark_lost(LockLost("taken over", keys=lease.keys))
+                    return (await http.post(f"/leads/{lead_id}/score",
+                                            json={"score": score})).json()
+
+                genuine = await set_score.arun({"lead_id": lead, "score": 5}, call_id="h-1",
+                                               thread_id="th")
+                lost = await set_score.arun({"lead_id": lead, "score": 6, "lose": True},
+                                            call_id="h-2", thread_id="th")
+                return genuine, lost
+
+        genuine, lost = asyncio.run(main())
+        assert genuine.ok, genuine.message
+        assert not lost.ok
+        with opened_store(service) as store:
+            assert [(r.decision, r.agent) for r in audit(store)] == [("accepted",
+                                                                      "intent_scorer")]
+            assert leads(store)[lead] == (5, 1)  # the lost lease's call never arrived
+    finally:
+        service.stop()
