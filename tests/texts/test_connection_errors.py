@@ -156,11 +156,12 @@ def test_a_wrong_password_or_an_unknown_role(password_postgres: PgServer, user: 
     POSTGRES_USERS[user](password_postgres.url)  # the right password: it works
 
 
-def test_a_server_that_is_down_is_still_an_outage(postgres_url: str) -> None:
-    """A closed port may open again: ``BackendUnavailable``, as before."""
+@pytest.mark.parametrize("user", ["store", "async store", "locks"])
+def test_a_server_that_is_down_is_still_an_outage(user: str) -> None:
+    """A closed port may open again: ``BackendUnavailable``, as before (store and locks)."""
     url = f"postgresql://postgres@127.0.0.1:{free_port()}/test"
     with pytest.raises(BackendUnavailable):
-        _acquire(url)
+        POSTGRES_USERS[user](url)
 
 
 # --- Redis: locks and quotas, sync and asyncio ------------------------------------------------
