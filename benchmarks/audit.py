@@ -47,8 +47,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _harness import Load, throughput
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize
-from guard import DEFAULT_DATABASE, DEFAULT_REDIS, Load, Setup, throughput
+from guard import DEFAULT_DATABASE, DEFAULT_REDIS, Setup
 
 TRIGGER = "toolguard_audit_row_hash"
 

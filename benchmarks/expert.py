@@ -150,28 +150,37 @@ class Expert:
 
     def check(self) -> list[str]:
         """What does not hold after the run (empty: every guarantee held)."""
-        problems = []
         with self.pool.connection() as conn:
-            intents, results = conn.execute(
-                "SELECT count(*), count(result) FROM x_intent").fetchone()
-            (audits,) = conn.execute("SELECT count(*) FROM x_audit").fetchone()
-            if not intents == results == audits == self.calls:
-                problems.append(f"{self.calls} calls, {intents} intents ({results} with a "
-                                f"result), {audits} audit rows")
-            heads = dict(conn.execute("SELECT key, chain FROM x_fence").fetchall())
-            chains: dict[str, bytes] = {}
-            for key, agent, tool, token, args, stored in conn.execute(
-                    "SELECT key, agent, tool, token, args::text, hash FROM x_audit ORDER BY seq"):
-                link = hashlib.sha256(chains.get(key, b"") + entry_text(
-                    agent, tool, key, token, json.dumps(json.loads(args), separators=(",", ":"),
-                                                        sort_keys=True)).encode())
-                chains[key] = link.digest()
-                if chains[key] != bytes(stored):
-                    problems.append(f"{key}: a link does not recompute")
-                    break
-            broken = [k for k, head in chains.items() if bytes(heads[k]) != head]
-            if broken:
-                problems.append(f"{len(broken)} chain heads do not recompute")
-        return problems
+            return check_tables(conn, self.calls, args_sql="args::text")
 
 
+def canonical(args: str) -> str:
+    """An audit row's arguments as the link hashed them (jsonb reorders and respaces)."""
+    return json.dumps(json.loads(args), separators=(",", ":"), sort_keys=True)
+
+
+def check_tables(conn: Any, calls: int, *, args_sql: str = "args") -> list[str]:
+    """What does not hold in the ``x_*`` tables after ``calls`` calls (empty: every guarantee
+    held): one intent with its result and one audit row per call, every link and every
+    chain head recomputes. ``conn``: any DB-API connection whose ``execute`` returns a
+    cursor (psycopg, sqlite3); ``args_sql``: the audit arguments as text."""
+    problems = []
+    intents, results = conn.execute("SELECT count(*), count(result) FROM x_intent").fetchone()
+    (audits,) = conn.execute("SELECT count(*) FROM x_audit").fetchone()
+    if not intents == results == audits == calls:
+        problems.append(f"{calls} calls, {intents} intents ({results} with a result), "
+                        f"{audits} audit rows")
+    heads = dict(conn.execute("SELECT key, chain FROM x_fence").fetchall())
+    chains: dict[str, bytes] = {}
+    for key, agent, tool, token, args, stored in conn.execute(
+            f"SELECT key, agent, tool, token, {args_sql}, hash FROM x_audit ORDER BY seq"):
+        link = hashlib.sha256(chains.get(key, b"") + entry_text(
+            agent, tool, key, token, canonical(args)).encode())
+        chains[key] = link.digest()
+        if chains[key] != bytes(stored):
+            problems.append(f"{key}: a link does not recompute")
+            break
+    broken = [k for k, head in chains.items() if bytes(heads[k]) != head]
+    if broken:
+        problems.append(f"{len(broken)} chain heads do not recompute")
+    return problems

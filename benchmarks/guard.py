@@ -2,6 +2,7 @@
 
     python benchmarks/guard.py [--redis-url URL] [--database-url URL] [--seconds S]
                                [--quick] [--plain] [--locks-url URL]
+                               [--deployment redis-postgres|sqlite|postgres|all] [--no-dbos]
                                [--profile N [--top K] [--profile-only]]
 
 One mutation: add ``delta`` to one lead's score (``UPDATE lead SET score =
@@ -26,6 +27,12 @@ score + %s WHERE id = %s RETURNING score``) in a table of 1,000 leads.
   the fenced PostgreSQL transaction (fence check+advance and the idempotency
   record's intent row, the tool's ``UPDATE``, the recorded result, the audit
   row, ``COMMIT``), release.
+* dbos: DBOS Transact 3.4, an optional peer (``benchmarks/dbos_peer.py``; ``pip
+  install dbos==3.4.0`` into the benchmark's venv only, never a dependency): a
+  workflow started under the call id with one datasource transaction doing the
+  same UPDATE, exactly once per id, on the same PostgreSQL server (database
+  ``bench_dbos``, created if missing). Not importable: one line says it was
+  skipped and how to install it; ``--no-dbos`` leaves it out.
 
 1. Latency, one thread: the three alternate in rounds, so slow drifts of the
    machine hit them alike. p50/p99 per call, against hand-written and bare.
@@ -37,13 +44,22 @@ score + %s WHERE id = %s RETURNING score``) in a table of 1,000 leads.
    calls/s at least 0.90x (d)'s (8 threads); beside them the earlier ones against
    the plain hand-written lock (1.25x, 0.8x). All measured in this run.
 
-``--profile N`` also runs N guarded calls under cProfile (CPU time of the
+``--deployment`` picks what is measured (default ``redis-postgres``: everything
+above). ``sqlite`` measures toolguard with its locks and store in one SQLite file
+against its own expert reference (``benchmarks/expert_sqlite.py``), ``postgres``
+toolguard with the PostgreSQL lock backend and store against its own
+(``benchmarks/expert_pg_locks.py``) and DBOS, each with its ratios side by side
+and the same invariant checks (``benchmarks/deployments.py``); ``all`` runs the
+three one after the other (about 4 minutes at the default 12 s per phase;
+``--quick`` shortens every part).
+
+``--profile N`` also runs N guarded calls (default deployment) under cProfile (CPU time of the
 calling thread) and prints the top ``--top`` functions by own and cumulative
 time; ``--profile-only`` skips the measurements.
 
 Everything lives in a PostgreSQL schema and Redis key prefix of the run's own,
-dropped at the end. Bounded by time (about 1.5 minutes by default); always exits
-0: a miss is a finding, not a crash.
+dropped at the end. Bounded by time (about 2 minutes by default, with DBOS); always
+exits 0: a miss is a finding, not a crash.
 """
 
 from __future__ import annotations
@@ -57,7 +73,6 @@ import os
 import pstats
 import random
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -71,12 +86,11 @@ from psycopg_pool import ConnectionPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _harness import AGENTS, LEADS, cpu_per_call, latency, lead_of, throughput_rounds
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize, verdict
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/14"
 DEFAULT_DATABASE = "postgresql://postgres@127.0.0.1:5432/test"
-LEADS = 1_000
-AGENTS = 8
 #: The targets, against the expert's (d) and the plain hand-written lock, in the same run.
 TARGET_EXPERT_P50 = 1.10
 TARGET_EXPERT_RATE = 0.90
@@ -87,6 +101,7 @@ UPDATE = "UPDATE lead SET score = score + %s WHERE id = %s RETURNING score"
 CAD = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 LOCK_TTL_MS = 10_000
 SPIN_S = 0.0005
+DEPLOYMENTS = ("redis-postgres", "sqlite", "postgres", "all")
 
 
 @dataclass
@@ -191,79 +206,6 @@ class Setup:
             self.redis.close()
 
 
-def lead_of(rng: random.Random) -> str:
-    return f"lead-{rng.randrange(LEADS)}"
-
-
-# --- 1. latency -----------------------------------------------------------------------------
-
-
-def latency(setup: Setup, impls: dict[str, Callable[[str], None]], seconds: float,
-            rounds: int) -> dict[str, list[float]]:
-    """Alternate the implementations' batches, one thread, until ``seconds`` are spent."""
-    rng = random.Random(7)
-    samples: dict[str, list[float]] = {name: [] for name in impls}
-    for call in impls.values():  # warm-up: pools, scripts, caches
-        for _ in range(50):
-            call(lead_of(rng))
-    deadline = time.monotonic() + seconds
-    per_round = seconds / rounds
-    while time.monotonic() < deadline:
-        for name, call in impls.items():
-            until = time.monotonic() + per_round / len(impls)
-            while time.monotonic() < until:
-                lead = lead_of(rng)
-                started = time.perf_counter()
-                call(lead)
-                samples[name].append(time.perf_counter() - started)
-    return samples
-
-
-# --- 2. throughput --------------------------------------------------------------------------
-
-
-@dataclass
-class Load:
-    calls: int
-    elapsed: float
-    latencies: list[float]
-
-
-def throughput(call: Callable[[str], None], seconds: float, agents: int = AGENTS) -> Load:
-    """``agents`` threads calling on random leads for ``seconds``."""
-    start = threading.Barrier(agents + 1)
-    stop = threading.Event()
-    per_thread: list[list[float]] = [[] for _ in range(agents)]
-    errors: list[BaseException] = []
-
-    def agent(index: int) -> None:
-        rng = random.Random(index)
-        start.wait()
-        try:
-            while not stop.is_set():
-                lead = lead_of(rng)
-                started = time.perf_counter()
-                call(lead)
-                per_thread[index].append(time.perf_counter() - started)
-        except BaseException as error:  # reported after the run
-            errors.append(error)
-
-    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(agents)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.perf_counter()
-    time.sleep(seconds)
-    stop.set()
-    for thread in threads:
-        thread.join(30)
-    elapsed = time.perf_counter() - began
-    if errors:
-        print(f"  ! {len(errors)} agent(s) stopped early: {errors[0]!r}")
-    latencies = [x for each in per_thread for x in each]
-    return Load(len(latencies), elapsed, latencies)
-
-
 # --- 3. where a guarded call's time goes ------------------------------------------------------
 
 #: (step, server round trips, what happens), in the order a call runs them.
@@ -344,31 +286,6 @@ def profile(setup: Setup, calls: int, top: int = 25) -> str:
 # --- main -------------------------------------------------------------------------------------
 
 
-def throughput_rounds(impls: dict[str, Callable[[str], None]], seconds: float,
-                      segments: int) -> dict[str, Load]:
-    """Each implementation's ``seconds`` cut into ``segments`` interleaved (rotated) runs,
-    so a busy phase of the machine hits all of them alike."""
-    parts: dict[str, list[Load]] = {name: [] for name in impls}
-    names = list(impls)
-    for segment in range(segments):
-        shift = segment % len(names)
-        for name in names[shift:] + names[:shift]:
-            parts[name].append(throughput(impls[name], seconds / segments))
-    return {name: Load(sum(p.calls for p in loads), sum(p.elapsed for p in loads),
-                       [x for p in loads for x in p.latencies])
-            for name, loads in parts.items()}
-
-
-def cpu_per_call(call: Callable[[str], None], calls: int, seed: int) -> list[float]:
-    rng = random.Random(seed)
-    cpu = []
-    for _ in range(calls):
-        started = time.thread_time()
-        call(lead_of(rng))
-        cpu.append(time.thread_time() - started)
-    return cpu
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -390,21 +307,61 @@ def main(argv: list[str] | None = None) -> int:
                              "baseline keeps its Redis lock)")
     parser.add_argument("--profile-only", action="store_true",
                         help="skip the measurements: only the profile (with --profile N)")
+    parser.add_argument("--deployment", choices=DEPLOYMENTS, default="redis-postgres",
+                        help="redis-postgres (default: Redis locks + PostgreSQL store), "
+                             "sqlite (locks and store in one SQLite file), postgres (locks and "
+                             "store in PostgreSQL), or all three one after the other")
+    parser.add_argument("--no-dbos", action="store_true",
+                        help="leave out the DBOS Transact peer even when dbos is installed")
     args = parser.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else (2.0 if args.quick else 12.0)
+    dbos = not args.no_dbos and not args.profile_only
+    if dbos and args.deployment != "sqlite":
+        from dbos_peer import INSTALL, available
 
+        missing = available()
+        if missing is not None:
+            print(f"DBOS Transact peer skipped: dbos is not importable ({missing}); to include "
+                  f"it: {INSTALL}")
+            dbos = False
+    if args.deployment in ("redis-postgres", "all"):
+        redis_postgres(args, seconds, dbos=dbos)
+    if args.deployment in ("sqlite", "postgres", "all") and not args.profile_only:
+        import deployments
+
+        for name in ("sqlite", "postgres"):
+            if args.deployment in (name, "all"):
+                deployments.run(name, database_url=args.database_url,
+                                run_id=uuid.uuid4().hex[:10], seconds=seconds,
+                                quick=args.quick, plain=args.plain, dbos=dbos)
+    return 0
+
+
+def redis_postgres(args: argparse.Namespace, seconds: float, *, dbos: bool) -> None:
+    """The default deployment: Redis locks + PostgreSQL store, against (a), (b), (d), (d2)
+    and DBOS."""
+    run = uuid.uuid4().hex[:10]
     try:
-        setup = Setup(args.database_url, args.redis_url, uuid.uuid4().hex[:10], args.locks_url)
+        setup = Setup(args.database_url, args.redis_url, run, args.locks_url)
     except Exception as error:
         print(f"cannot set up the benchmark (PostgreSQL {args.database_url}, "
               f"Redis {args.redis_url}): {error}")
-        return 0
+        return
+    peer: Any = None
+    if dbos:
+        from dbos_peer import DbosPeer
+
+        try:
+            peer = DbosPeer(args.database_url, run, pool_size=AGENTS + 4)
+        except Exception as error:
+            print(f"DBOS Transact peer skipped: it could not start: {type(error).__name__}: "
+                  f"{error}")
     try:
         if args.profile_only:
             for _ in range(200):  # warm-up: pools, scripts, caches
                 setup.guarded(lead_of(random.Random(3)))
             print(profile(setup, max(args.profile, 1), args.top))
-            return 0
+            return
         print(f"toolguard guarded call vs a hand-written Redis lock + transaction and the bare "
               f"transaction; {LEADS:,} leads; python {sys.version.split()[0]}; "
               f"{seconds:g} s per phase; guard's locks: "
@@ -412,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         impls: dict[str, Callable[[str], None]] = {
             "bare": setup.bare, "hand-written": setup.hand, "expert (d)": setup.expert.d,
             "expert (d2)": setup.expert.d2, "guarded": setup.guarded}
+        if peer is not None:
+            impls["dbos"] = peer.call
         samples = latency(setup, impls, seconds, rounds=10 if not args.quick else 4)
         lat = {name: summarize(values) for name, values in samples.items()}
         hand, bare = lat["hand-written"], lat["bare"]
@@ -463,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         bare_cpu = summarize(cpu_per_call(setup.bare, 300, 6)).p50
         table.add_row(f"bare: BEGIN, UPDATE, COMMIT (client CPU {fmt_s(bare_cpu)})", "3 PG",
                       fmt_s(bare.p50), f"{ratio(bare.p50, whole):.0%}")
+        if peer is not None:
+            dbos_cpu = summarize(cpu_per_call(peer.call, 300, 10)).p50
+            table.add_row(f"dbos: workflow under the call id, one datasource transaction "
+                          f"(client CPU {fmt_s(dbos_cpu)})", "PG (DBOS's own)",
+                          fmt_s(lat["dbos"].p50), f"{ratio(lat['dbos'].p50, whole):.0%}")
         table.print()
 
         p50_ratio = ratio(lat["guarded"].p50, hand.p50)
@@ -490,8 +454,17 @@ def main(argv: list[str] | None = None) -> int:
                       verdict(None if rate_ratio != rate_ratio else rate_ratio >= TARGET_RATE))
         table.add_row("client CPU per call vs hand-written", fmt_ratio(ratio(cpu_p50, hand_cpu)),
                       "-", "-")
+        if peer is not None:
+            table.add_section()
+            table.add_row("guarded p50 vs DBOS, one thread",
+                          fmt_ratio(ratio(lat["guarded"].p50, lat["dbos"].p50)), "-", "-")
+            table.add_row(f"guarded calls/s vs DBOS, {AGENTS} threads",
+                          fmt_ratio(ratio(rates["guarded"], rates["dbos"])), "-", "-")
+            table.add_row("client CPU per call vs DBOS", fmt_ratio(ratio(cpu_p50, dbos_cpu)),
+                          "-", "-")
         table.print()
-        made = {name: loads[name].calls + 50 + len(samples[name]) for name in impls}
+        made = {name: loads[name].calls + 50 + len(samples[name]) for name in impls
+                if name != "dbos"}  # DBOS writes its own table, in its own database
         made["guarded"] += len(totals)
         made["hand-written"] += 300
         made["bare"] += 300
@@ -507,11 +480,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check: the expert's {setup.expert.calls:,} calls: "
               + ("one intent with its result and one chained audit row each, every chain "
                  "recomputes" if not problems else "; ".join(problems)))
+        if peer is not None:
+            problems = peer.check()
+            print(f"check: DBOS's {peer.calls:,} calls: "
+                  + ("exactly once per call id (table sum, one successful workflow and one "
+                     "recorded step each, re-runs return the recorded result)"
+                     if not problems else "; ".join(problems)))
         if args.profile:
             print(profile(setup, args.profile, args.top))
     finally:
+        if peer is not None:
+            peer.close()
         setup.close()
-    return 0
 
 
 if __name__ == "__main__":
