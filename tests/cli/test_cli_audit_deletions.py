@@ -111,9 +111,7 @@ def pg_demo(postgres_url: str, redis_url: str) -> Iterator[list[str]]:
     import uuid
 
     import psycopg
-    from store.envs import drop_schema
-
-    from toolguard.demo.crm import PG_SCHEMA
+    from store.envs import demo_crm_schema, drop_schema
 
     schema = f"tg_deletions_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(postgres_url, autocommit=True) as conn:
@@ -123,19 +121,18 @@ def pg_demo(postgres_url: str, redis_url: str) -> Iterator[list[str]]:
     saved = {name: os.environ.pop(name) for name in names if name in os.environ}
     os.environ["TOOLGUARD_DATABASE_URL"] = f"{postgres_url}?options=-csearch_path%3D{schema}"
     os.environ["TOOLGUARD_REDIS_URL"] = redis_url
-    try:
-        drop_schema(postgres_url, PG_SCHEMA)
-        result = CliRunner().invoke(app, ["demo", "--json"])
-        assert result.exit_code == 0, result.output
-    finally:
-        for name in names:
-            os.environ.pop(name, None)
-        os.environ.update(saved)
-    try:
-        yield ["--url", postgres_url, "--schema", schema]
-    finally:
-        drop_schema(postgres_url, schema)
-        drop_schema(postgres_url, PG_SCHEMA)
+    with demo_crm_schema(postgres_url):
+        try:
+            result = CliRunner().invoke(app, ["demo", "--json"])
+            assert result.exit_code == 0, result.output
+        finally:
+            for name in names:
+                os.environ.pop(name, None)
+            os.environ.update(saved)
+        try:
+            yield ["--url", postgres_url, "--schema", schema]
+        finally:
+            drop_schema(postgres_url, schema)
 
 
 def test_one_row_deleted_from_the_postgresql_demo_log_is_named(pg_demo: list[str]) -> None:

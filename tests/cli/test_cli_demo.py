@@ -154,33 +154,32 @@ def test_demo_on_postgresql_and_redis(runner: CliRunner, postgres_url: str, redi
                                       unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's second command: TOOLGUARD_REDIS_URL and TOOLGUARD_DATABASE_URL set."""
     import psycopg
-    from store.envs import drop_schema
+    from store.envs import demo_crm_schema, drop_schema
 
     from toolguard.demo.crm import PG_SCHEMA
 
     schema = f"tg_demo_{unique}"  # the agents' store, by the URL's search_path
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {schema}")
-    drop_schema(postgres_url, PG_SCHEMA)  # the CRM's schema has a fixed name: start it empty
     url = f"{postgres_url}?options=-csearch_path%3D{schema}"
     monkeypatch.setenv("TOOLGUARD_DATABASE_URL", url)
     monkeypatch.setenv("TOOLGUARD_REDIS_URL", redis_url)
-    try:
-        result = runner.invoke(app, ["demo", "--json"])
-        assert result.exit_code == 0, result.output
-        report = json.loads(result.stdout)
-        off, on = report["guard_off"], report["guard_on"]
-        assert on["correct"] is True and off["correct"] is False
-        assert on["store"].startswith("postgresql://") and on["locks"].startswith("redis://")
-        assert on["crm"]["store"].endswith(f"(schema {PG_SCHEMA})")
-        assert_crm_report(off["crm"], on["crm"])
-        crm = runner.invoke(app, ["audit", "--rejected", "--schema", PG_SCHEMA, "--json"])
-        assert crm.exit_code == 0, crm.output
-        (refused,) = json.loads(crm.stdout)
-        assert (refused["reason"], refused["tool"]) == ("stale_fencing_token", "PUT /leads/L-103")
-    finally:
-        drop_schema(postgres_url, schema)
-        drop_schema(postgres_url, PG_SCHEMA)
+    with demo_crm_schema(postgres_url):
+        try:
+            result = runner.invoke(app, ["demo", "--json"])
+            assert result.exit_code == 0, result.output
+            report = json.loads(result.stdout)
+            off, on = report["guard_off"], report["guard_on"]
+            assert on["correct"] is True and off["correct"] is False
+            assert on["store"].startswith("postgresql://") and on["locks"].startswith("redis://")
+            assert on["crm"]["store"].endswith(f"(schema {PG_SCHEMA})")
+            assert_crm_report(off["crm"], on["crm"])
+            crm = runner.invoke(app, ["audit", "--rejected", "--schema", PG_SCHEMA, "--json"])
+            assert crm.exit_code == 0, crm.output
+            (refused,) = json.loads(crm.stdout)
+            assert (refused["reason"], refused["tool"]) == ("stale_fencing_token", "PUT /leads/L-103")
+        finally:
+            drop_schema(postgres_url, schema)
 
 
 def test_next_hints_name_the_store_unless_it_is_the_default(tmp_path: Path) -> None:

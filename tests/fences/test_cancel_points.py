@@ -328,13 +328,16 @@ def test_a_guarded_call_through_the_fenced_clients_cancelled_at_every_await_poin
                     agent_extra.append((n, [(r.decision, r.reason) for r in attempts]))
                 served = [r for r in await asyncio.to_thread(store.query_audit, limit=None)
                           if r.intent_id == lead]
-                # each attempt its one row: the cancelled one (if it reached the service), the
+                # each attempt its one row: the cancelled one (if it reached the service: it may
+                # arrive late, while the retry runs, and be refused ``in_flight`` itself), the
                 # retries refused ``in_flight`` while it ended, and the one that applied
                 shown = [(r.decision, r.reason) for r in served]
                 ended = [row for row in shown if row != ("rejected", "in_flight")]
+                assert len(shown) - (waited + 1) in (0, 1), (n, waited, shown)
                 assert 1 <= len(ended) <= 2, (n, shown)
                 assert ended.count(("accepted", "applied")) == 1, (n, shown)
-                assert shown.count(("rejected", "in_flight")) == waited, (n, waited, shown)
+                assert shown.count(("rejected", "in_flight")) in (waited, waited + 1), (
+                    n, waited, shown)
                 for i in range(20):
                     assert (await attempt(None, f"{lead}-{i}", f"{lead}-{i}")).result().ok
         finally:

@@ -9,7 +9,8 @@ processes get the ``StoreEnv`` and open their own store and lock manager.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,26 @@ class StoreEnv:
 def drop_schema(url: str, schema: str) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+#: the advisory lock that lets one test at a time use the demo's fixed-name CRM schema
+DEMO_CRM_LOCK = 0x7467_6372  # "tgcr"
+
+
+@contextmanager
+def demo_crm_schema(url: str) -> Iterator[None]:
+    """The demo's CRM schema on PostgreSQL has a fixed name: tests on other xdist workers
+    (or another suite on the same server) take turns, each starting it empty and dropping it."""
+    from toolguard.demo.crm import PG_SCHEMA
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(%s)", (DEMO_CRM_LOCK,))
+        try:
+            drop_schema(url, PG_SCHEMA)
+            yield
+        finally:
+            drop_schema(url, PG_SCHEMA)
+            conn.execute("SELECT pg_advisory_unlock(%s)", (DEMO_CRM_LOCK,))
 
 
 def rows(store: GuardedStore, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
