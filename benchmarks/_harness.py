@@ -19,6 +19,32 @@ LEADS = 1_000
 AGENTS = 8
 
 
+def lead_schema_pool(database_url: str, schema: str) -> Any:
+    """A new schema holding the ``lead`` table (``LEADS`` rows at score 0), and a pool of
+    ``AGENTS + 4`` autocommit connections whose search_path is that schema."""
+    import psycopg
+    from psycopg import sql
+    from psycopg_pool import ConnectionPool
+
+    path = sql.SQL("SET search_path TO {}").format(sql.Identifier(schema))
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        conn.execute(path)
+        conn.execute("CREATE TABLE lead (id text PRIMARY KEY, score bigint NOT NULL)")
+        conn.execute("INSERT INTO lead SELECT 'lead-' || i, 0 FROM generate_series(0, %s) i",
+                     (LEADS - 1,))
+
+    def configure(conn: psycopg.Connection[Any]) -> None:
+        conn.execute(path)
+
+    size = AGENTS + 4
+    pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+        database_url, min_size=size, max_size=size, kwargs={"autocommit": True},
+        configure=configure, open=True)
+    pool.wait()
+    return pool
+
+
 def lead_of(rng: random.Random) -> str:
     return f"lead-{rng.randrange(LEADS)}"
 

@@ -70,7 +70,7 @@ def set_row_hash(setup: Setup, enabled: bool) -> None:
 def refused_call(setup: Setup) -> Callable[[str], None]:
     """A call by an agent the policy does not allow: refused, audited in its own statement."""
     from toolguard.adapters import guarded
-    from toolguard.context import current
+    from toolguard.call.context import current
 
     @guarded(setup.guard, agent="intruder", name="add_score")
     def add_score(lead_id: str, delta: int) -> int:

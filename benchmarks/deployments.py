@@ -42,10 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from _harness import AGENTS, LEADS, cpu_per_call, latency, throughput_rounds
+from _harness import AGENTS, LEADS, cpu_per_call, latency, lead_schema_pool, throughput_rounds
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize
 from psycopg import sql
-from psycopg_pool import ConnectionPool
 
 UPDATE = "UPDATE lead SET score = score + %s WHERE id = %s RETURNING score"
 REFERENCE = "expert (reference)"
@@ -58,7 +57,7 @@ CPU_CALLS = 300
 def _guarded_tool(locks: Any, store: Any) -> Callable[..., Any]:
     """The benchmark's ``add_score`` tool under a ``ToolGuard`` on ``locks`` and ``store``."""
     from toolguard.adapters import guarded
-    from toolguard.context import current
+    from toolguard.call.context import current
     from toolguard.guard import ToolGuard
     from toolguard.policies import Policy
 
@@ -209,22 +208,8 @@ class PostgresDeployment:
         from toolguard.store import open_store
 
         database_url = self.database_url
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.schema)))
-            conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
-            conn.execute("CREATE TABLE lead (id text PRIMARY KEY, score bigint NOT NULL)")
-            conn.execute("INSERT INTO lead SELECT 'lead-' || i, 0 FROM generate_series(0, %s) i",
-                         (LEADS - 1,))
-        path = sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema))
-
-        def configure(conn: psycopg.Connection[Any]) -> None:
-            conn.execute(path)
-
         size = AGENTS + 4
-        self.pool = ConnectionPool(
-            database_url, min_size=size, max_size=size, kwargs={"autocommit": True},
-            configure=configure, open=True)
-        self.pool.wait()
+        self.pool = lead_schema_pool(database_url, self.schema)
         self.store = open_store(database_url, install=True, schema=self.schema,
                                 min_size=size, max_size=size)
         self.locks = connect(database_url, schema=self.schema, min_size=size, max_size=size)

@@ -86,7 +86,7 @@ from psycopg_pool import ConnectionPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import AGENTS, LEADS, cpu_per_call, latency, lead_of, throughput_rounds
+from _harness import AGENTS, LEADS, cpu_per_call, latency, lead_of, lead_schema_pool, throughput_rounds
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize, verdict
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/14"
@@ -116,29 +116,16 @@ class Setup:
 
     def __post_init__(self) -> None:
         from toolguard.adapters import guarded
-        from toolguard.context import current
+        from toolguard.call.context import current
         from toolguard.guard import ToolGuard
         from toolguard.locks import connect
         from toolguard.policies import Policy
         from toolguard.store import open_store
 
         self.schema = f"tg_bench_{self.run}"
-        with psycopg.connect(self.database_url, autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.schema)))
-            conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
-            conn.execute("CREATE TABLE lead (id text PRIMARY KEY, score bigint NOT NULL)")
-            conn.execute("INSERT INTO lead SELECT 'lead-' || i, 0 FROM generate_series(0, %s) i",
-                         (LEADS - 1,))
-        path = sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema))
-
-        def configure(conn: psycopg.Connection[Any]) -> None:
-            conn.execute(path)
-
         size = AGENTS + 4
-        self.pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
-            self.database_url, min_size=size, max_size=size, kwargs={"autocommit": True},
-            configure=configure, open=True)
-        self.pool.wait()
+        self.pool: ConnectionPool[psycopg.Connection[Any]] = lead_schema_pool(self.database_url,
+                                                                               self.schema)
         self.store = open_store(self.database_url, install=True, schema=self.schema,
                                 min_size=size, max_size=size)
         if self.locks_url is None:

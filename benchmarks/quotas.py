@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _stats import Table, fmt_ratio, fmt_s
 
-from toolguard.facts import CallFacts
-from toolguard.pause import PauseBoard
+from toolguard.call.facts import CallFacts
+from toolguard.controls.pause import PauseBoard
+from toolguard.controls.quotas import Quotas, quota_backend
 from toolguard.policies import Policy
-from toolguard.quotas import Quotas, quota_backend
 from toolguard.store import open_store
 
 RULES = Policy.from_dict({"version": 1, "tools": {

@@ -63,7 +63,7 @@ def modes() -> dict[str, Setup]:
     )
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from toolguard import telemetry
+    from toolguard.runtime import telemetry
 
     real_trace = telemetry._trace
 
@@ -114,7 +114,7 @@ def modes() -> dict[str, Setup]:
 def guarded_call(redis_url: str | None, database_url: str | None) -> Iterator[Callable[[], None]]:
     """A guarded ``add_score`` on the embedded default or on Redis + PostgreSQL."""
     from toolguard.adapters import guarded
-    from toolguard.context import current
+    from toolguard.call.context import current
     from toolguard.guard import ToolGuard
     from toolguard.locks import connect
     from toolguard.policies import Policy
@@ -171,9 +171,9 @@ def guarded_call(redis_url: str | None, database_url: str | None) -> Iterator[Ca
 
 def hooks_only() -> Callable[[], None]:
     """Every telemetry hook one fenced guarded call passes through, without the call."""
-    from toolguard import telemetry
-    from toolguard.decision import Decision
-    from toolguard.intent import Intent
+    from toolguard.call.decision import Decision
+    from toolguard.call.intent import Intent
+    from toolguard.runtime import telemetry
     from toolguard.store.base import IntentRecord
 
     intent = Intent(tool="add_score", args={"lead_id": "lead-1"}, call_id="c1", agent="scorer")

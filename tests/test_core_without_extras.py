@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from toolguard.extras import DISTRIBUTION, EXTRAS
+from toolguard.runtime.extras import DISTRIBUTION, EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = textwrap.dedent(f"""\
@@ -82,7 +82,7 @@ def test_guarded_function_runs_on_the_embedded_default_without_extras(tmp_path: 
 ])
 def test_a_missing_extra_is_named_with_its_install_line(tmp_path: Path, code: str, extra: str) -> None:
     result = run_without_extras(f"""
-        from toolguard.extras import MissingExtra
+        from toolguard.runtime.extras import MissingExtra
         try:
             {code}
         except MissingExtra as error:
@@ -127,7 +127,7 @@ def test_names_and_submodules_resolve_lazily(tmp_path: Path) -> None:
         import toolguard
         assert toolguard.locks.connect is toolguard.connect      # a submodule as an attribute
         from toolguard import *                                   # every name in __all__
-        assert ToolFailed.__module__ == "toolguard.decision" and callable(current_or_none)
+        assert ToolFailed.__module__ == "toolguard.call.decision" and callable(current_or_none)
         assert toolguard.guard.ToolFailed is ToolFailed and toolguard.guard.Decision is Decision
         # the errors a developer catches or filters, importable from the top without the guard
         assert issubclass(InvalidIntent, IntentRejected) and issubclass(MissingIdentity, NotAuthorized)

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from toolguard.safe_text import EXCEPTION_LIMIT, safe_str
+from toolguard.runtime.safe_text import EXCEPTION_LIMIT, safe_str
 
 __all__ = [
     "ApprovalDenied",

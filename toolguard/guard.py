@@ -30,11 +30,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from toolguard import telemetry
-from toolguard.approvals import ApprovalBook, Approved, AsyncApprovalBook
-from toolguard.cancellation import finish
-from toolguard.context import CallContext, bind
-from toolguard.decision import (
+from toolguard.call.context import CallContext, bind
+from toolguard.call.decision import (
     FAILURE_TEMPLATE,
     REJECTION_TEMPLATE,
     Decision,
@@ -42,6 +39,11 @@ from toolguard.decision import (
     ToolFailed,
     refusal,
 )
+from toolguard.call.intent import Intent
+from toolguard.call.recording import audit_entry, storable_text
+from toolguard.controls.approvals import ApprovalBook, Approved, AsyncApprovalBook
+from toolguard.controls.quotas import AsyncQuotaBackend, QuotaBackend
+from toolguard.controls.shadow import Enforcement
 from toolguard.errors import (
     ApprovalRequired,
     ConfigurationError,
@@ -49,15 +51,13 @@ from toolguard.errors import (
     UnknownToolWarning,
     is_control_flow,
 )
-from toolguard.intent import Intent
 from toolguard.locks import AsyncLockManager, LockManager
 from toolguard.policies import Policy, strict_model
 from toolguard.policies.redaction import scrub_text
 from toolguard.policies.reload import PolicyWatcher
 from toolguard.policies.strict import SchemaSource
-from toolguard.quotas import AsyncQuotaBackend, QuotaBackend
-from toolguard.recording import audit_entry, storable_text
-from toolguard.shadow import Enforcement
+from toolguard.runtime import telemetry
+from toolguard.runtime.cancellation import finish
 from toolguard.steps.approval import Interrupt, aapprove, approve, is_pending
 from toolguard.steps.controls import Controls
 from toolguard.steps.execute import Body, context_of

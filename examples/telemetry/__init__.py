@@ -21,7 +21,7 @@ every call would be a replay of the demo's and the scenario would not show.
 
 An application sets its providers once, globally (``trace.set_tracer_provider``,
 ``metrics.set_meter_provider``), and toolguard reports to them; this example
-hands its providers to toolguard alone (``toolguard.telemetry.use_providers``)
+hands its providers to toolguard alone (``toolguard.runtime.telemetry.use_providers``)
 so that it can run more than once in one process (its tests do).
 """
 
@@ -48,7 +48,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from toolguard import telemetry
+from toolguard.runtime import telemetry
 
 __all__ = ["Observed", "run"]
 

@@ -296,7 +296,7 @@ def test_the_store_role_may_end_a_paused_holder(runner: CliRunner, postgres_url:
 
 
 def test_nodes_that_differ_are_reported_apart_with_the_worst_status() -> None:
-    from toolguard.doctor import _eviction_of, _per_node
+    from toolguard.cli.checks.lock_server import _eviction_of, _per_node
 
     safe = {"maxmemory-policy": "noeviction", "maxmemory": "0"}
     combined = _per_node({"a:1": safe, "b:2": safe,

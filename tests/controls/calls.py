@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from toolguard.facts import CallFacts
-from toolguard.intent import args_hash
+from toolguard.call.facts import CallFacts
+from toolguard.call.intent import args_hash
 from toolguard.policies import Policy, redacted_args
 
 POLICY = {

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from store.envs import StoreEnv, drop_schema
 
-from toolguard.approvals import ApprovalBook
+from toolguard.controls.approvals import ApprovalBook
 from toolguard.guard import ToolGuard
 from toolguard.store import GuardedStore
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from toolguard.context import CallContext
-from toolguard.intent import Intent, WorkflowIdentity
+from toolguard.call.context import CallContext
+from toolguard.call.intent import Intent, WorkflowIdentity
 
 EFFECT = "INSERT INTO effect (tool, lead, delta, call, token) VALUES (%s, %s, %s, %s, %s)"
 

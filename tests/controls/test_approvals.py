@@ -12,7 +12,8 @@ from store.envs import StoreEnv
 from typer.testing import CliRunner
 
 from controls.calls import call, policy
-from toolguard.approvals import (
+from toolguard.cli import app
+from toolguard.controls.approvals import (
     ApprovalBook,
     AsyncApprovalBook,
     InvalidResume,
@@ -20,7 +21,6 @@ from toolguard.approvals import (
     approval_reason,
     parse_resume,
 )
-from toolguard.cli import app
 from toolguard.errors import (
     ApprovalDenied,
     ApprovalExpired,

@@ -17,7 +17,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, interrupt
 
 from controls.calls import call, policy
-from toolguard.approvals import ApprovalBook, parse_resume
+from toolguard.controls.approvals import ApprovalBook, parse_resume
 from toolguard.errors import ApprovalRequired, IntentRejected
 
 

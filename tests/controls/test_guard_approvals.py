@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 
 from controls.guarded import EFFECT, intent, write
 from toolguard.adapters import GuardedToolCalls
-from toolguard.approvals import ApprovalBook
+from toolguard.call.context import current
 from toolguard.cli import app
-from toolguard.context import current
+from toolguard.controls.approvals import ApprovalBook
 from toolguard.errors import ApprovalRequired, GuardMisconfigured
 
 POLICY: dict[str, Any] = {

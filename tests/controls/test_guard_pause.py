@@ -6,8 +6,8 @@ import asyncio
 from typing import Any
 
 from controls.guarded import intent, write
-from toolguard.intent import Intent
-from toolguard.pause import PauseBoard
+from toolguard.call.intent import Intent
+from toolguard.controls.pause import PauseBoard
 
 POLICY: dict[str, Any] = {
     "version": 1,

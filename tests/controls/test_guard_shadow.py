@@ -11,8 +11,8 @@ from typing import Any
 from typer.testing import CliRunner
 
 from controls.guarded import intent, write
-from toolguard.approvals import ApprovalBook
 from toolguard.cli import app
+from toolguard.controls.approvals import ApprovalBook
 
 POLICY: dict[str, Any] = {
     "version": 1,

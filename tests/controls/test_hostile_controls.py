@@ -21,15 +21,15 @@ from controls.calls import call, policy
 from controls.guarded import EFFECT, intent, write
 from controls.test_guard_approvals import BIG as BIG_CALL
 from controls.test_guard_approvals import POLICY, start
-from toolguard.approvals import ApprovalBook, InvalidResume, approval_reason, parse_resume
 from toolguard.cli import app
+from toolguard.controls.approvals import ApprovalBook, InvalidResume, approval_reason, parse_resume
+from toolguard.controls.pause import PauseBoard
 from toolguard.errors import (
     ApprovalRequired,
     ConfigurationError,
     PolicyProblems,
     UnknownApproval,
 )
-from toolguard.pause import PauseBoard
 from toolguard.store import open_store
 from toolguard.store.base import AuditEntry
 
@@ -232,7 +232,7 @@ def test_an_edit_no_store_keeps_is_refused_before_it_is_decided(tmp_path: Any) -
 def test_an_answer_cannot_decide_a_request_of_no_workflow(harness: Any) -> None:
     """Two calls without a thread or run (workflow None) are not one workflow: an answer given
     to one that names the other's request decides nothing, and is refused."""
-    from toolguard.intent import Intent
+    from toolguard.call.intent import Intent
 
     h = harness(POLICY)
     other = Intent(tool="transfer", args=BIG_CALL, agent="scorer", call_id="w-other")

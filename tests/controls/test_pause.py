@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from controls import workers
 from toolguard.cli import app
+from toolguard.controls.pause import AsyncPauseBoard, PauseBoard, PauseSet
 from toolguard.errors import BackendUnavailable, Paused, StoreError
-from toolguard.pause import AsyncPauseBoard, PauseBoard, PauseSet
 from toolguard.store import migrations, open_store
 
 spawn = multiprocessing.get_context("spawn")

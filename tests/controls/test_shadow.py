@@ -6,12 +6,12 @@ import pytest
 from typer.testing import CliRunner
 
 from controls.calls import call
-from toolguard.approvals import approval_reason
 from toolguard.cli import app
+from toolguard.controls.approvals import approval_reason
+from toolguard.controls.quotas import Quotas, quota_backend
+from toolguard.controls.shadow import SHADOW_DECISION, Enforcement, lookup_in_mode, mode_of
 from toolguard.errors import ApprovalRequired, NotAuthorized, OutOfOrder, UnknownTool
 from toolguard.policies import Policy, authorize, check_constraints
-from toolguard.quotas import Quotas, quota_backend
-from toolguard.shadow import SHADOW_DECISION, Enforcement, lookup_in_mode, mode_of
 from toolguard.store import AuditEntry, open_store
 
 POLICY = {

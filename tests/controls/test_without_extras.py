@@ -13,14 +13,14 @@ def test_controls_without_extras(tmp_path: Path) -> None:
         "    quotas: [{calls: 1, window: 1h}]\n")
     result = run_without_extras("""
         import uuid
-        from toolguard.approvals import ApprovalBook
+        from toolguard.controls.approvals import ApprovalBook
         from toolguard.errors import ApprovalRequired, RateLimited
-        from toolguard.facts import CallFacts
-        from toolguard.pause import PauseBoard
+        from toolguard.call.facts import CallFacts
+        from toolguard.controls.pause import PauseBoard
         from toolguard.policies.diff import diff
         from toolguard.policies.reload import PolicyWatcher
-        from toolguard.quotas import Quotas, quota_backend
-        from toolguard.shadow import Enforcement
+        from toolguard.controls.quotas import Quotas, quota_backend
+        from toolguard.controls.shadow import Enforcement
         from toolguard.store import open_store
 
         store = open_store(install=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 from store.envs import StoreEnv
 
-from toolguard.pause import PauseBoard
+from toolguard.controls.pause import PauseBoard
 
 
 def pause_from_elsewhere(env: StoreEnv, kind: str, name: str, out: Any) -> None:
@@ -22,9 +22,9 @@ def guarded_calls(backend: Any, policy: dict[str, Any], quota_url: str | None, p
                   calls: int, worker: int, start: Any, out: Any) -> None:
     """``calls`` guarded calls through a real ToolGuard in this process; their reasons."""
     from controls.guarded import intent, write
+    from toolguard.controls.quotas import quota_backend
     from toolguard.guard import ToolGuard
     from toolguard.policies import Policy
-    from toolguard.quotas import quota_backend
 
     store = backend.store()
     locks = backend.locks()

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from examples.telemetry import main, print_report, run
-from toolguard import telemetry
+from toolguard.runtime import telemetry
 
 
 def test_the_demo_run_reports_one_span_per_decision_and_metrics_equal_to_the_audit_log(

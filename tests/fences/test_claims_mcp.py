@@ -130,7 +130,7 @@ def test_guarded_mcp_tools_sign_and_a_refusal_reaches_the_model(signed_mcp, stor
 def test_a_call_through_fenced_session_whose_lease_is_lost_is_not_sent(signed_mcp, store,
                                                                        redis_url, tmp_path,
                                                                        unique):
-    from toolguard.context import current
+    from toolguard.call.context import current
     from toolguard.errors import LockLost
 
     guard = make_guard(tmp_path, "a", redis_url, asynchronous=True)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from toolguard.adapters import guarded
-from toolguard.context import current
+from toolguard.call.context import current
 from toolguard.errors import LockLost
 from toolguard.fences import ClaimRefused, FencedClient, Fences, FenceSigner, generate_signing_key
 from toolguard.fences.keys import SigningKey

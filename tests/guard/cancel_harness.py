@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from guard.harness import Harness
-from toolguard.context import CallContext
-from toolguard.decision import Decision
+from toolguard.call.context import CallContext
+from toolguard.call.decision import Decision
+from toolguard.call.intent import Intent
 from toolguard.guard import ToolGuard
-from toolguard.intent import Intent
 from toolguard.steps.schema import SchemaCheck
 
 __all__ = ["Counted", "Sweep", "sweep"]

@@ -17,8 +17,8 @@ import pytest
 
 from guard.cancel_harness import Sweep, sweep
 from guard.harness import Backend, Harness
+from toolguard.call.intent import Intent
 from toolguard.guard import ToolGuard
-from toolguard.intent import Intent
 
 #: path name -> (policy, decision kind of the uncancelled call)
 POLICIES: dict[str, tuple[dict[str, Any], str]] = {

@@ -37,7 +37,8 @@ from guard.tools import (
     tool_messages,
 )
 from toolguard.adapters import GuardedToolCalls, ToolGuardMiddleware, guard_tool, guarded
-from toolguard.context import current
+from toolguard.call.context import current
+from toolguard.call.intent import Intent
 from toolguard.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -45,7 +46,6 @@ from toolguard.errors import (
     UnknownToolWarning,
 )
 from toolguard.guard import ToolGuard
-from toolguard.intent import Intent
 from toolguard.locks import connect
 from toolguard.policies import Policy
 from toolguard.store import AuditEntry

@@ -34,7 +34,7 @@ from guard.harness import Harness, HarnessFactory, LoopThread
 from guard.test_fuzz import FUZZ, last_audit, snapshot
 from guard.tools import EFFECT
 from toolguard.adapters import GuardedToolCalls, guard_tool, guarded
-from toolguard.context import current
+from toolguard.call.context import current
 from toolguard.errors import ToolGuardError
 from toolguard.guard import Decision
 

@@ -15,8 +15,8 @@ from blocking import no_blocking
 
 from guard.harness import HarnessFactory
 from guard.tools import LEAD_POLICY
-from toolguard.context import CallContext
-from toolguard.intent import Intent
+from toolguard.call.context import CallContext
+from toolguard.call.intent import Intent
 
 
 def test_a_guards_first_async_call_does_not_block_the_loop(harness: HarnessFactory) -> None:

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from guard.harness import Harness
 from guard.tools import EFFECT, READ, UPSERT
 from toolguard.adapters import GuardedToolCalls, guarded
-from toolguard.context import current
+from toolguard.call.context import current
 from toolguard.guard import Decision
 
 POLICY: dict[str, Any] = {"version": 1, "tools": {

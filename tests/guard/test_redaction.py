@@ -22,7 +22,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from guard.harness import Harness, HarnessFactory
 from guard.tools import EFFECT, calls_message, scripted, tool_graph
 from toolguard.adapters import GuardedToolCalls, guarded
-from toolguard.context import current
+from toolguard.call.context import current
 from toolguard.policies import REDACTED
 
 EMAIL = "ana.verified@example.org"

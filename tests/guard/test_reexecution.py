@@ -34,7 +34,7 @@ from guard.tools import (
     tool_messages,
 )
 from toolguard.adapters import GuardedToolCalls
-from toolguard.context import current
+from toolguard.call.context import current
 
 MODES = ("sync", "async")
 

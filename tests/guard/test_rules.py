@@ -18,7 +18,7 @@ from langchain_core.tools import StructuredTool
 from guard.harness import Harness, wait_until
 from guard.tools import EFFECT, READ, UPSERT, calls_message, scripted, tool_graph, tool_messages
 from toolguard.adapters import GuardedToolCalls, guarded
-from toolguard.context import current
+from toolguard.call.context import current
 from toolguard.errors import IntentRejected, OutOfOrder
 from toolguard.locks import heartbeat
 

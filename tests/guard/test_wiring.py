@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from guard.tools import LEAD_POLICY
-from toolguard.approvals import ApprovalBook, AsyncApprovalBook
+from toolguard.controls.approvals import ApprovalBook, AsyncApprovalBook
+from toolguard.controls.quotas import async_quota_backend, quota_backend
 from toolguard.errors import GuardMisconfigured
 from toolguard.guard import ToolGuard
 from toolguard.locks import connect, connect_async
 from toolguard.policies import Policy
-from toolguard.quotas import async_quota_backend, quota_backend
 from toolguard.store import open_async_store, open_store
 
 POLICY = Policy.from_dict(LEAD_POLICY)

@@ -1,6 +1,6 @@
 """The tools, fake model and graphs the guard tests drive.
 
-Every tool writes through ``toolguard.context.current().tx`` (the fenced
+Every tool writes through ``toolguard.call.context.current().tx`` (the fenced
 transaction; ``.atx`` in async bodies) and brackets its body with ``Probe.visit`` so a test can see how
 many bodies ran at once. ``add_score`` is a read-modify-write with a pause
 between the read and the write: two bodies inside at once on one lead would
@@ -21,7 +21,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from guard.harness import Probe
-from toolguard.context import current
+from toolguard.call.context import current
 
 __all__ = [
     "LEAD_POLICY",

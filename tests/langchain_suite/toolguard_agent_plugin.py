@@ -59,7 +59,7 @@ from langchain_core.tools import tool as as_tool
 
 from toolguard import ToolGuard
 from toolguard.adapters import ToolGuardMiddleware
-from toolguard.intent import Intent, default_idempotency_key
+from toolguard.call.intent import Intent, default_idempotency_key
 from toolguard.locks import connect, connect_async
 from toolguard.policies import Policy
 from toolguard.store import open_async_store, open_store

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from toolguard.policies.cli import load_tool_schemas, policy_app
+from toolguard.cli.policy import load_tool_schemas, policy_app
 
 GOOD = """\
 version: 1

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from toolguard.call.intent import Intent, WorkflowIdentity
 from toolguard.errors import (
     GuardMisconfigured,
     InvalidArguments,
@@ -14,7 +15,6 @@ from toolguard.errors import (
     NotAuthorized,
     UnknownTool,
 )
-from toolguard.intent import Intent, WorkflowIdentity
 from toolguard.policies import (
     REDACTED,
     Policy,
@@ -200,7 +200,7 @@ class TransferArgs(BaseModel):
 
 def test_the_whole_pure_flow_of_one_call() -> None:
     """limits -> strict schema -> constraints -> authorize -> keys -> idempotency -> hash -> audit."""
-    from toolguard.intent import args_hash, check_limits
+    from toolguard.call.intent import args_hash, check_limits
     from toolguard.policies import strict_model, validate_args
 
     policy = Policy.from_dict({"version": 1, "tools": {"transfer": {

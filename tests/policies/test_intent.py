@@ -8,9 +8,8 @@ import uuid
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from toolguard.envelope import envelope_problem
-from toolguard.errors import InvalidArguments
-from toolguard.intent import (
+from toolguard.call.envelope import envelope_problem
+from toolguard.call.intent import (
     Intent,
     Limits,
     WorkflowIdentity,
@@ -22,6 +21,7 @@ from toolguard.intent import (
     json_args,
     node_path,
 )
+from toolguard.errors import InvalidArguments
 
 
 def test_intent_is_frozen_and_forbids_unknown_fields() -> None:

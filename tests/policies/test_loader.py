@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from toolguard.call.intent import Intent, Limits
 from toolguard.errors import PolicyError, PolicyProblems
-from toolguard.intent import Intent, Limits
 from toolguard.policies import (
     ArgConstraint,
     KeyTemplate,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from toolguard.cli.policy import policy_app
 from toolguard.errors import PolicyProblems
 from toolguard.policies import load_policy
-from toolguard.policies.cli import policy_app
 
 BROKEN = """\
 version: 1

@@ -6,9 +6,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from toolguard.facts import CallFacts
+from toolguard.call.facts import CallFacts
+from toolguard.controls.quotas import AsyncQuotaBackend, QuotaBackend, async_quota_backend, quota_backend
 from toolguard.policies import Policy, ToolPolicy
-from toolguard.quotas import AsyncQuotaBackend, QuotaBackend, async_quota_backend, quota_backend
 from toolguard.store import open_async_store, open_store
 
 __all__ = ["QuotaEnv", "facts", "rule"]

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from quotas.envs import QuotaEnv, facts, rule
+from toolguard.controls.quotas import AsyncQuotas, Quotas, charges
 from toolguard.errors import BudgetExceeded, InFlightLimited, RateLimited
-from toolguard.quotas import AsyncQuotas, Quotas, charges
 
 PAY = [{"calls": 3, "window": "1m", "per": "agent"},
        {"budget": 100, "arg": "amount", "window": "1h", "per": "key"},

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from quotas.envs import facts, rule
+from toolguard.controls.quotas import IN_FLIGHT_RETRY_S, charges, refusal, scope_name
 from toolguard.errors import BudgetExceeded, InFlightLimited, InvalidArguments, RateLimited
-from toolguard.quotas import IN_FLIGHT_RETRY_S, charges, refusal, scope_name
 
 
 def test_one_charge_per_quota_and_scope_value_sorted() -> None:

@@ -12,8 +12,8 @@ import pytest
 
 from quotas import workers
 from quotas.envs import QuotaEnv, facts, rule
+from toolguard.controls.quotas import Quotas
 from toolguard.errors import InFlightLimited
-from toolguard.quotas import Quotas
 
 spawn = multiprocessing.get_context("spawn")
 PROCESSES = 4
@@ -53,7 +53,7 @@ def test_rate_admits_exactly_the_limit(quota_env: QuotaEnv) -> None:
 
 
 def _scope(quotas: list[dict[str, object]]) -> str:
-    from toolguard.quotas import charges
+    from toolguard.controls.quotas import charges
 
     return charges(rule(quotas), facts())[0].scope
 

@@ -14,8 +14,8 @@ import pytest
 from servers import RedisServer, private_redis  # noqa: F401  (fixture)
 
 from quotas.envs import facts, rule
+from toolguard.controls.quotas import Quotas, quota_backend
 from toolguard.errors import BackendUnavailable, BudgetExceeded, ConfigurationError
-from toolguard.quotas import Quotas, quota_backend
 
 
 def _admit_after_restart(quotas: Quotas, tool_rule, call) -> BackendUnavailable:

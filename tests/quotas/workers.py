@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 from quotas.envs import QuotaEnv, facts, rule
+from toolguard.controls.quotas import Quotas
 from toolguard.errors import QuotaExceeded
-from toolguard.quotas import Quotas
 
 THREADS = 4
 

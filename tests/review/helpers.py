@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import uvicorn
 
+from toolguard.call.intent import Intent, WorkflowIdentity
 from toolguard.guard import ToolGuard
-from toolguard.intent import Intent, WorkflowIdentity
 from toolguard.locks import connect
 from toolguard.policies import Policy
 from toolguard.store import AuditEntry, GuardedStore

@@ -9,8 +9,9 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from toolguard.decision import refusal
-from toolguard.envelope import untrusted_intent
+from toolguard.call.decision import refusal
+from toolguard.call.envelope import untrusted_intent
+from toolguard.call.recording import audit_entry
 from toolguard.errors import (
     BackendUnavailable,
     IdempotencyConflict,
@@ -29,7 +30,6 @@ from toolguard.errors import (
     StoreError,
     UnknownTool,
 )
-from toolguard.recording import audit_entry
 from toolguard.review.chart import MAX_BUCKETS, PALETTE, decisions_chart, step_for
 from toolguard.review.filters import DEFAULT_LIMIT, parse_filters
 from toolguard.review.rules import PolicySource

@@ -35,7 +35,7 @@ from psycopg import sql
 from servers import ON_CI, free_port
 
 from toolguard.adapters import guarded
-from toolguard.context import current
+from toolguard.call.context import current
 from toolguard.guard import ToolGuard
 from toolguard.locks import connect, connect_async
 from toolguard.policies import Policy

@@ -10,10 +10,10 @@ from servers import free_port
 from typer.testing import CliRunner
 
 from store.envs import drop_schema
+from toolguard.cli.db import EXIT_BEHIND, EXIT_CONFIG, EXIT_UNREACHABLE, db_app
 from toolguard.locks.postgres import SCHEMA_VERSION as LOCK_SCHEMA_VERSION
 from toolguard.locks.postgres import lock_schema_version
 from toolguard.store import latest_version
-from toolguard.store.cli import EXIT_BEHIND, EXIT_CONFIG, EXIT_UNREACHABLE, db_app
 
 runner = CliRunner()
 

@@ -236,7 +236,7 @@ def test_failed_write_never_leaves_its_transaction_open(env: StoreEnv, ledger: G
 
     One pooled connection: every later write needs it back clean, its fences released.
     """
-    from toolguard.store import postgres
+    from toolguard.store import postgres_session  # the sessions look it up there
 
     store = env.open(min_size=1, max_size=1)
     try:
@@ -251,7 +251,7 @@ def test_failed_write_never_leaves_its_transaction_open(env: StoreEnv, ledger: G
         def broken(*args: Any) -> Any:
             raise RuntimeError("the audit row cannot be built")
 
-        monkeypatch.setattr(postgres, "_failure_params", broken)
+        monkeypatch.setattr(postgres_session, "_failure_params", broken)
         with pytest.raises(ZeroDivisionError), store.fenced({"acct:a": 7}) as tx:
             deposit(tx, "a", 100, "rolled back")
             _ = 1 / 0
@@ -261,7 +261,7 @@ def test_failed_write_never_leaves_its_transaction_open(env: StoreEnv, ledger: G
         # no failed attempt's fence advance survived; the replay's (6) did
         assert store.high_water("acct:a") == 6
         # a replay whose audit row cannot be built: its COMMIT goes alone, the connection is clean
-        monkeypatch.setattr(postgres, "_failure_params", broken)
+        monkeypatch.setattr(postgres_session, "_failure_params", broken)
         with pytest.raises(Exception, match="already applied"), \
                 store.fenced({"acct:a": 8}, intent("fast-clean")):
             pytest.fail("a replay must not run")

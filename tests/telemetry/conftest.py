@@ -12,7 +12,7 @@ import pytest
 from guard.conftest import backend, harness  # noqa: F401 - the guard suite's fixtures
 
 from telemetry.recorder import Recorder
-from toolguard import telemetry
+from toolguard.runtime import telemetry
 
 
 @pytest.fixture

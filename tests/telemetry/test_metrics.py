@@ -23,8 +23,8 @@ from guard.tools import EFFECT
 
 from telemetry.recorder import Recorder
 from toolguard.adapters import guarded
-from toolguard.context import current
-from toolguard.intent import Intent
+from toolguard.call.context import current
+from toolguard.call.intent import Intent
 from toolguard.locks import heartbeat
 
 POLICY: dict[str, Any] = {"version": 1, "tools": {

@@ -18,8 +18,8 @@ from guard.tools import EFFECT
 
 from telemetry.recorder import Recorder
 from toolguard.adapters import guarded
-from toolguard.context import current
-from toolguard.intent import Intent
+from toolguard.call.context import current
+from toolguard.call.intent import Intent
 
 SECRET = "ana.secret@example.org"
 LEAD = "LEAD-7f3c9e"

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from toolguard.extras import DISTRIBUTION
+from toolguard.runtime.extras import DISTRIBUTION
 
 POLICY = 'version: 1\ntools:\n  deposit:\n    locks: ["account:{account_id}"]\n'
 SETUP = """
@@ -48,8 +48,8 @@ def run_python(code: str, cwd: Path, *, without_otel: bool = False) -> str:
 def test_without_the_package_nothing_is_imported_and_calls_run(tmp_path: Path) -> None:
     out = run_python("""
         import json
-        from toolguard import telemetry
-        from toolguard.extras import MissingExtra
+        from toolguard.runtime import telemetry
+        from toolguard.runtime.extras import MissingExtra
 
         decision = deposit.run({"account_id": "A-1", "amount": 5}, call_id="c1", thread_id="t")
         loaded = sorted(m for m, mod in sys.modules.items()
@@ -72,8 +72,8 @@ def test_with_no_provider_configured_a_call_gets_the_shared_null_telemetry(
         tmp_path: Path) -> None:
     out = run_python("""
         import json
-        from toolguard import telemetry
-        from toolguard.intent import Intent
+        from toolguard.runtime import telemetry
+        from toolguard.call.intent import Intent
 
         intent = Intent(tool="deposit", call_id="c0", agent="teller")
         null = not telemetry.start_call(intent, guard.policy.tools).listening

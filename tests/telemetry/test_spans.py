@@ -19,10 +19,10 @@ from langchain_core.messages import AIMessage, HumanMessage
 from opentelemetry.trace import StatusCode
 
 from telemetry.recorder import Recorder
-from toolguard import telemetry
 from toolguard.adapters import GuardedToolCalls, guarded
-from toolguard.context import current
-from toolguard.intent import Intent
+from toolguard.call.context import current
+from toolguard.call.intent import Intent
+from toolguard.runtime import telemetry
 from toolguard.store import AuditEntry
 
 POLICY: dict[str, Any] = {"version": 1, "tools": {

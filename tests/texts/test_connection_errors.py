@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from pg_server import PgServer, pg_available
 
+from toolguard.controls.quotas.redis import AsyncRedisQuotas, RedisQuotas
 from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks import connect, connect_async
-from toolguard.quotas.redis import AsyncRedisQuotas, RedisQuotas
 from toolguard.store import open_async_store, open_store
 
 NO_HOST = "nosuchhost.invalid"

@@ -4,7 +4,7 @@ A call id or tool name that is a 5,000-digit integer (``str()`` raises past
 Python's 4,300-digit limit) or a list nested 1,000 deep (``RecursionError``)
 used to be decided ``rejected/invalid_intent`` and audited, after which
 building the refusal message raised. Every text toolguard builds from such a
-value goes through ``toolguard.safe_text``: the refusal ``ToolMessage``, the
+value goes through ``toolguard.runtime.safe_text``: the refusal ``ToolMessage``, the
 decision's message, the audit row's detail and argument shape, an approval
 resume value's error, the host's thread id.
 """
@@ -29,9 +29,9 @@ from langgraph.types import Send
 
 from texts.conftest import GuardFactory
 from toolguard.adapters import GuardedToolCalls, guarded
-from toolguard.approvals import InvalidResume, parse_resume
-from toolguard.envelope import untrusted_intent
-from toolguard.safe_text import safe_repr, safe_str, text_of
+from toolguard.call.envelope import untrusted_intent
+from toolguard.controls.approvals import InvalidResume, parse_resume
+from toolguard.runtime.safe_text import safe_repr, safe_str, text_of
 
 POLICY: dict[str, Any] = {"version": 1, "tools": {
     "note": {"locks": ["note:{x}"], "agents": ["a"]}}}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import toolguard
-from toolguard.decision import (
+from toolguard.call.decision import (
     CALL_WORDS,
     MODEL_TEXTS,
     Decision,
@@ -27,8 +27,8 @@ from toolguard.decision import (
     recorded_model_text,
     refusal,
 )
+from toolguard.call.intent import Intent
 from toolguard.errors import ToolGuardError
-from toolguard.intent import Intent
 
 SOURCE = Path(toolguard.__file__).parent
 
@@ -221,12 +221,12 @@ def test_refusals_built_from_each_error_class_read_their_pinned_text() -> None:
             out.extend(classes(sub))
         return out
 
-    import toolguard.approvals
-    import toolguard.extras
+    import toolguard.cli.db
+    import toolguard.controls.approvals
     import toolguard.fences.gate
     import toolguard.fences.problems
     import toolguard.fences.wire
-    import toolguard.store.cli
+    import toolguard.runtime.extras
     import toolguard.store.postgres  # noqa: F401 - their error classes count too
 
     checked = 0

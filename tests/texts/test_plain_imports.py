@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     from toolguard import ToolGuard, connect, guarded, open_store
     from toolguard.errors import ToolGuardError
-    from toolguard.pause import PauseBoard
+    from toolguard.controls.pause import PauseBoard
     from toolguard.policies import Policy
 
     store = open_store("sqlite:///store.db", install=True)

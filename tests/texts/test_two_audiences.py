@@ -20,8 +20,8 @@ from langgraph.types import Command
 from texts.conftest import GuardFactory
 from texts.test_model_texts import PINNED
 from toolguard.adapters import GuardedToolCalls, guarded
-from toolguard.approvals import ApprovalBook
-from toolguard.pause import PauseBoard
+from toolguard.controls.approvals import ApprovalBook
+from toolguard.controls.pause import PauseBoard
 
 POLICY: dict[str, Any] = {
     "version": 1,

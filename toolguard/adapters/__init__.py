@@ -37,7 +37,7 @@ def _load(name: str) -> Any:
         raise AttributeError(msg)
     import importlib
 
-    from toolguard.extras import require
+    from toolguard.runtime.extras import require
 
     require("langgraph", f"toolguard.adapters.{name}")
     return getattr(importlib.import_module(module_name), name)

@@ -23,7 +23,7 @@ from langgraph.types import Command
 
 from toolguard.adapters._replay import record_of, replayed_answer
 from toolguard.guard import Decision, ToolFailed
-from toolguard.safe_text import safe_str, text_of
+from toolguard.runtime.safe_text import safe_str, text_of
 
 __all__ = [
     "METADATA_KEY",

@@ -11,11 +11,11 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Generic, ParamSpec, Self, TypeVar, cast, overload
 
 from toolguard.adapters._worker import has_sync_edges, in_worker
-from toolguard.context import CallContext
-from toolguard.envelope import untrusted_intent
+from toolguard.call.context import CallContext
+from toolguard.call.envelope import untrusted_intent
+from toolguard.call.intent import Intent
 from toolguard.errors import GuardMisconfigured, UnknownToolWarning
 from toolguard.guard import Decision, ToolGuard
-from toolguard.intent import Intent
 
 __all__ = ["GuardedFunction", "guarded"]
 

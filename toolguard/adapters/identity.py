@@ -1,7 +1,7 @@
 """Who is calling, and from where: the envelope of a tool call turned into an ``Intent``.
 
 Every adapter builds its intent here, so the rules for the call id, the agent
-identity and the workflow identity (``toolguard.envelope``) are the same
+identity and the workflow identity (``toolguard.call.envelope``) are the same
 whether a call comes through a ToolNode, a ``create_agent`` middleware or a
 LangChain tool. Nothing here raises or coerces: a broken envelope becomes an
 intent the guard refuses as ``invalid_intent``, audited.
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from toolguard.envelope import untrusted_intent
-from toolguard.intent import Intent, Origin
+from toolguard.call.envelope import untrusted_intent
+from toolguard.call.intent import Intent, Origin
 
 __all__ = ["AGENT_METADATA_KEY", "agent_from_metadata", "intent_from_call"]
 

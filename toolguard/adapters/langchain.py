@@ -26,9 +26,9 @@ from toolguard.adapters._tools import (
 )
 from toolguard.adapters._worker import has_sync_edges, in_worker
 from toolguard.adapters.identity import intent_from_call
-from toolguard.context import CallContext
+from toolguard.call.context import CallContext
+from toolguard.call.intent import Intent
 from toolguard.guard import Decision, ToolGuard
-from toolguard.intent import Intent
 
 __all__ = ["GuardedTool", "guard_tool"]
 

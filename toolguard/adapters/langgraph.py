@@ -42,9 +42,9 @@ from toolguard.adapters._tools import (
 )
 from toolguard.adapters._worker import has_sync_edges, in_worker, worker_execute
 from toolguard.adapters.identity import agent_from_metadata, intent_from_call
-from toolguard.context import CallContext
+from toolguard.call.context import CallContext
+from toolguard.call.intent import Intent
 from toolguard.guard import Decision, ToolGuard
-from toolguard.intent import Intent
 
 __all__ = ["AgentResolver", "GuardedToolCalls", "ToolGuardMiddleware", "agent_from_metadata"]
 

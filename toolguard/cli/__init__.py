@@ -21,15 +21,15 @@ from toolguard import __version__
 from toolguard.cli._common import EXIT_CODES_HELP
 from toolguard.cli.approve import approve, deny
 from toolguard.cli.audit import audit_app
+from toolguard.cli.db import db_app
 from toolguard.cli.demo import demo
 from toolguard.cli.doctor import doctor
 from toolguard.cli.keys import fence_app, keys_app
 from toolguard.cli.mcp import mcp_app
 from toolguard.cli.pause import pause, resume
+from toolguard.cli.policy import policy_app
 from toolguard.cli.policy_diff import policy_diff
 from toolguard.cli.serve import serve
-from toolguard.policies.cli import policy_app
-from toolguard.store.cli import db_app
 
 __all__ = ["app"]
 

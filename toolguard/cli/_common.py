@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -17,14 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from toolguard.errors import (
-    BackendUnavailable,
-    ConfigurationError,
-    PolicyError,
-    PolicyProblems,
-    ToolGuardError,
-)
-from toolguard.store.cli import (
+from toolguard.cli.db import (
     BackendRefused,
     SchemaOption,
     TimeoutOption,
@@ -33,6 +24,14 @@ from toolguard.store.cli import (
     redact,
     resolve_store_url,
 )
+from toolguard.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    PolicyError,
+    PolicyProblems,
+    ToolGuardError,
+)
+from toolguard.store.audit_view import parse_moment
 
 __all__ = [
     "EXIT_CODES_HELP",
@@ -141,32 +140,3 @@ def invocation() -> str:
     return shlex.quote(argv0)
 
 
-_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d|day|days|w|wk)\s*(?:ago)?\s*$",
-                       re.IGNORECASE)
-_UNITS = {"s": "seconds", "sec": "seconds", "m": "minutes", "min": "minutes", "h": "hours",
-          "hr": "hours", "d": "days", "day": "days", "days": "days", "w": "weeks", "wk": "weeks"}
-
-
-def parse_moment(text: str, *, now: datetime | None = None) -> datetime:
-    """``30m``, ``2h``, ``7d`` (that long ago), ``now``, ``today`` (00:00 UTC), or ISO 8601.
-
-    A time without an offset is UTC, like everything the audit log shows.
-    Raises ``ValueError`` with a readable message.
-    """
-    now = now or datetime.now(UTC)
-    cleaned = text.strip()
-    if cleaned.lower() == "now":
-        return now
-    if cleaned.lower() == "today":
-        return now.replace(hour=0, minute=0, second=0, microsecond=0)
-    match = _RELATIVE.match(cleaned)
-    if match:
-        amount, unit = float(match.group(1)), _UNITS[match.group(2).lower()]
-        return now - timedelta(**{unit: amount})
-    try:
-        moment = datetime.fromisoformat(cleaned)
-    except ValueError:
-        msg = (f"{text!r} is not a time: use e.g. 30m, 2h, 7d, today, 2025-01-31 or "
-               f"2025-01-31T14:00:00+02:00")
-        raise ValueError(msg) from None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment

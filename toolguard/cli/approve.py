@@ -18,13 +18,6 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from toolguard.approvals import (
-    ApprovalBook,
-    ApprovalRecord,
-    DecisionName,
-    InvalidResume,
-    check_edit,
-)
 from toolguard.cli._common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -39,6 +32,13 @@ from toolguard.cli._common import (
     resolve_store_url,
 )
 from toolguard.cli.pause import ByOption, operator_name
+from toolguard.controls.approvals import (
+    ApprovalBook,
+    ApprovalRecord,
+    DecisionName,
+    InvalidResume,
+    check_edit,
+)
 from toolguard.errors import ApprovalExpired, UnknownApproval
 
 __all__ = ["approve", "deny"]

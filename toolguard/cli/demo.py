@@ -20,8 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from toolguard.cli._common import EXIT_FAILED, console, failures, invocation, redact
-from toolguard.extras import require
-from toolguard.store.cli import is_postgres_url, probe_postgres
+from toolguard.cli.db import is_postgres_url, probe_postgres
+from toolguard.runtime.extras import require
 
 if TYPE_CHECKING:
     from toolguard.demo import CrmReport, DemoEvent, Report
@@ -129,7 +129,7 @@ def require_demo() -> None:
     The CRM is a Starlette app on uvicorn, called with httpx: the install the
     quick start makes (``[langgraph]``) brings them.
     """
-    from toolguard.extras import MissingExtra
+    from toolguard.runtime.extras import MissingExtra
 
     require("langgraph", "toolguard demo (four LangGraph agents)")
     missing = [name for name in ("httpx", "starlette", "uvicorn")

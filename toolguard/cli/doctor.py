@@ -62,7 +62,7 @@ def doctor(
     matters. Exit 0 when nothing failed, 1 if a check fails (--strict: or warns), 2 on a
     usage error, 3 if a backend cannot be reached, 4 if one refused the connection.
     """
-    from toolguard.doctor import exit_code, run_checks
+    from toolguard.cli.checks import exit_code, run_checks
 
     ttls: list[int] | None = None
     wait: float | None = None

@@ -26,9 +26,9 @@ from toolguard.cli._common import (
     redact,
     resolve_store_url,
 )
+from toolguard.cli.db import LockUrlOption, resolve_lock_url
 from toolguard.cli.pause import ByOption, operator_name
 from toolguard.errors import ToolGuardError
-from toolguard.store.cli import LockUrlOption, resolve_lock_url
 
 __all__ = ["fence_app", "keys_app"]
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from toolguard.cli._common import EXIT_FAILED, EXIT_USAGE, console, fail, failures, redact
-from toolguard.extras import install_hint
+from toolguard.runtime.extras import install_hint
 
 #: Where ``--token`` is read from when not given (kept in step with ``toolguard.gateway.server``).
 TOKENS_ENV = "TOOLGUARD_GATEWAY_TOKENS"

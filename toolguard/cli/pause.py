@@ -27,7 +27,7 @@ from toolguard.cli._common import (
     redact,
     resolve_store_url,
 )
-from toolguard.pause import ALL, PauseBoard
+from toolguard.controls.pause import ALL, PauseBoard
 
 __all__ = ["operator_name", "pause", "resume"]
 

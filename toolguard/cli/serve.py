@@ -26,8 +26,8 @@ from toolguard.cli._common import (
     redact,
     resolve_store_url,
 )
-from toolguard.extras import install_hint
-from toolguard.store.cli import _missing_sqlite_file
+from toolguard.cli.db import _missing_sqlite_file
+from toolguard.runtime.extras import install_hint
 
 if TYPE_CHECKING:
     from toolguard.review import PolicySource

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolguard.decision import Decision
+from toolguard.call.decision import Decision
 
 __all__ = ["CONTROLS_POLICY_PATH", "MANAGER", "ControlsReport", "run_controls"]
 
@@ -45,9 +45,9 @@ class ControlsReport:
 def run_controls(*, lock_url: str, store_url: str,
                  store_options: Mapping[str, Any] | None = None) -> ControlsReport:
     """Run the epilogue on the demo's store and locks (its rows join the demo's audit log)."""
-    from toolguard.approvals import ApprovalBook
+    from toolguard.call.intent import Intent, WorkflowIdentity
+    from toolguard.controls.approvals import ApprovalBook
     from toolguard.guard import ToolGuard
-    from toolguard.intent import Intent, WorkflowIdentity
     from toolguard.locks import connect
     from toolguard.policies import load_policy
     from toolguard.store import open_store

@@ -139,7 +139,7 @@ class CrmService:
     @property
     def label(self) -> str:
         """The CRM store for people: the URL (password hidden) and its schema, if any."""
-        from toolguard.store.cli import redact
+        from toolguard.runtime.connection_errors import redacted_url as redact
 
         schema = self.store_options.get("schema")
         return redact(self.store_url) + (f" (schema {schema})" if schema else "")

@@ -131,7 +131,7 @@ def _load(name: str) -> Any:
         raise AttributeError(msg)
     extra = _EXTRA.get(module)
     if extra is not None:
-        from toolguard.extras import require
+        from toolguard.runtime.extras import require
 
         require(extra, f"toolguard.fences.{name}")
     return getattr(import_module(f"toolguard.fences.{module}"), name)

@@ -21,7 +21,7 @@ writes it for what happens inside ``fenced()``, ``refuse`` for what is decided
 before, ``cancelled`` for a request cancelled before the store could write one.
 
 Cancellation: ``run`` serves the request in a task of its own
-(``toolguard.cancellation``), so however the server cancels (asyncio once, anyio
+(``toolguard.runtime.cancellation``), so however the server cancels (asyncio once, anyio
 at every await), the marker, the transaction and the handler see one
 cancellation, and the request's cleanup (rollback, audit row, connections back
 to their pool idle) has ended before the cancellation reaches the server. Once the
@@ -40,13 +40,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from toolguard.cancellation import finish, isolated
 from toolguard.errors import DuplicateIntent, GuardMisconfigured, ToolGuardError
 from toolguard.fences.claims import Claim, ClaimRefused, ClaimVerifier
 from toolguard.fences.inflight import InFlightRegistry, default_registry
 from toolguard.fences.problems import InFlight, KeyNotFenced, Problem, problem_from_error
 from toolguard.fences.scope import scoped_key
 from toolguard.fences.wire import Fences
+from toolguard.runtime.cancellation import finish, isolated
 from toolguard.store import AsyncFencedTransaction, AsyncGuardedStore, AuditEntry, IntentRecord
 from toolguard.store.base import latest_version, mark_audited, was_audited
 

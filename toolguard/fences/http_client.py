@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from toolguard.context import current
+from toolguard.call.context import current
 from toolguard.errors import ToolGuardError
 from toolguard.fences.claims import FenceSigner, HeldLease, check_signer
 from toolguard.fences.outgoing import outgoing_fences

@@ -29,8 +29,8 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from toolguard.cancellation import finish
 from toolguard.errors import BackendUnavailable, GuardMisconfigured
+from toolguard.runtime.cancellation import finish
 from toolguard.store import AsyncGuardedStore
 
 __all__ = ["InFlightRegistry", "LocalInFlight", "PostgresInFlight", "default_registry"]

@@ -98,7 +98,7 @@ def _b64decode(text: str) -> bytes:
 
 
 def _ed25519() -> Any:
-    from toolguard.extras import require
+    from toolguard.runtime.extras import require
 
     require("signing", "Ed25519 fence keys")
     from cryptography.hazmat.primitives.asymmetric import ed25519

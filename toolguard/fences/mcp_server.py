@@ -34,6 +34,7 @@ from fastmcp.tools.base import ToolResult
 from mcp.shared.exceptions import MCPError
 from pydantic import TypeAdapter
 
+from toolguard.call.intent import canonical_json
 from toolguard.errors import GuardMisconfigured, ToolGuardError
 from toolguard.fences.claims import ClaimVerifier
 from toolguard.fences.gate import (
@@ -56,7 +57,6 @@ from toolguard.fences.wire import (
     parse_meta,
     request_digest,
 )
-from toolguard.intent import canonical_json
 
 __all__ = ["REPEATED_META_KEY", "REPLAYED_META_KEY", "FenceToolMiddleware"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from toolguard.context import current
+from toolguard.call.context import current
 from toolguard.errors import ToolGuardError
 from toolguard.fences.wire import Fences
 

@@ -47,7 +47,7 @@ from toolguard.errors import (
 )
 from toolguard.fences.claims import ClaimRefused
 from toolguard.fences.wire import WireError
-from toolguard.safe_text import safe_str, text_of
+from toolguard.runtime.safe_text import safe_str, text_of
 
 __all__ = [
     "MCP_CODES",

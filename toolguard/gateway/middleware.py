@@ -44,15 +44,15 @@ from fastmcp.tools.base import Tool, ToolResult
 from mcp.shared.exceptions import MCPError
 from pydantic import TypeAdapter
 
-from toolguard.context import CallContext
-from toolguard.decision import Decision, ToolFailed
-from toolguard.envelope import untrusted_intent
+from toolguard.call.context import CallContext
+from toolguard.call.decision import Decision, ToolFailed
+from toolguard.call.envelope import untrusted_intent
+from toolguard.call.intent import Intent
 from toolguard.errors import IntentRejected
 from toolguard.fences.outgoing import outgoing_fences
 from toolguard.fences.wire import META_KEYS
 from toolguard.gateway.identity import Identity
 from toolguard.guard import ToolGuard
-from toolguard.intent import Intent
 from toolguard.policies import Policy, authorize
 
 if TYPE_CHECKING:

@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from toolguard.errors import ConfigurationError, LockError, LockLost, LockTimeout, NotOwned
-from toolguard.extras import require
 from toolguard.locks.base import AsyncLockBackend, Attempt, BackendInfo, LockBackend
 from toolguard.locks.lease import Lease, heartbeat
 from toolguard.locks.manager import AsyncLockManager, LockManager
+from toolguard.runtime.extras import require
 
 __all__ = [
     "AsyncLockBackend",

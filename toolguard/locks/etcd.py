@@ -65,33 +65,53 @@ Liveness has two layers:
 Keep etcd's history compacted (``--auto-compaction-retention``): every grant,
 release and renewal is a revision. The watch survives compaction by waking every
 waiter once.
+
+The parts: ``toolguard.locks.etcd_wire`` holds the key layout and the gateway's
+JSON (built and read by small pure helpers), ``toolguard.locks.etcd_watch`` the
+deletion watch and the waiters' doorbells. This module holds the two backends,
+their process leases, and re-exports the public names of the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
 import math
 import os
-import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import quote, unquote, urlparse
+from urllib.parse import urlparse
 
 import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 from requests.adapters import HTTPAdapter
 
-from toolguard.connection_errors import refuse_misconfigured
 from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms, check_seconds
+from toolguard.locks.etcd_watch import _DeletionWatch, _Wake
+
+# Re-exported: tests and benchmarks import DEFAULT_PREFIX from this module.
+from toolguard.locks.etcd_wire import DEFAULT_PREFIX as DEFAULT_PREFIX
+from toolguard.locks.etcd_wire import (
+    HELD,
+    _b64,
+    _epoch,
+    _kvs,
+    _mark_held,
+    _Names,
+    _offset,
+    _range,
+    _Seen,
+    _touch,
+    _unb64,
+    etcd_keys,
+)
+from toolguard.runtime.connection_errors import refuse_misconfigured
 
 __all__ = ["AsyncEtcdBackend", "EtcdBackend", "etcd_keys", "lease_seconds", "parse_etcd_url"]
 
@@ -105,12 +125,9 @@ INFO = BackendInfo(
          "next contender, a dead process's entries by its whole-second lease",
 )
 
-DEFAULT_PREFIX = "toolguard/lock/"
 DEFAULT_PRESENCE_MS = 2_000
 #: How many entries just ahead of a waiter it reads (and may expire) on each try.
 AHEAD_SEEN = 8
-#: The value of a holder's entry; a waiter's is empty.
-HELD = b"h"
 #: Silence clocks remembered per process (entries long gone drop out first).
 SILENCE_SEEN = 4096
 #: The process lease of a lock lasts this many TTLs, rounded up to whole seconds.
@@ -146,130 +163,6 @@ def parse_etcd_url(url: str) -> tuple[list[tuple[str, int]], str | None]:
     return endpoints, prefix or None
 
 
-def etcd_keys(key: str, prefix: str = DEFAULT_PREFIX) -> tuple[bytes, bytes]:
-    """The queue prefix and the floor key of lock ``key`` (for tools and tests)."""
-    names = _Names.of(prefix.encode(), key)
-    return names.queue, names.floor
-
-
-# --- the gateway's JSON, built and read by small pure helpers ------------------------------
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The range end covering every key that starts with ``prefix`` (which ends in '/')."""
-    return prefix[:-1] + bytes([prefix[-1] + 1])
-
-
-def _range(key: bytes, end: bytes | None = None, *, limit: int = 0, newest_first: bool = False,
-           by_creation: bool = False, max_create_revision: int = 0,
-           values: bool = False) -> dict[str, Any]:
-    request: dict[str, Any] = {"key": _b64(key), "keys_only": end is not None and not values}
-    if end is not None:
-        request["range_end"] = _b64(end)
-    if limit:
-        request["limit"] = limit
-    if by_creation:
-        request["sort_target"] = "CREATE"
-        request["sort_order"] = "DESCEND" if newest_first else "ASCEND"
-    if max_create_revision:
-        request["max_create_revision"] = max_create_revision
-    return {"request_range": request}
-
-
-def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
-    return list(response.get("response_range", {}).get("kvs", []))
-
-
-def _touch(key: bytes) -> dict[str, Any]:
-    """A put that keeps value and lease: it only moves the entry's mod_revision."""
-    return {"request_put": {"key": _b64(key), "ignore_value": True, "ignore_lease": True}}
-
-
-def _mark_held(key: bytes) -> dict[str, Any]:
-    """The grant: a put that keeps the lease and marks the entry as the holder's."""
-    return {"request_put": {"key": _b64(key), "value": _b64(HELD), "ignore_lease": True}}
-
-
-def _owner_of(entry: bytes) -> str:
-    return unquote(entry.rsplit(b"/", 1)[-1].decode("ascii", "replace"))
-
-
-def _owner_ttl_ms(entry: bytes) -> int | None:
-    """The TTL carried in an entry's owner id (``base.new_owner``); None if it has none."""
-    owner = _owner_of(entry)
-    ttl = owner.rsplit(":", 1)[-1]
-    return int(ttl) if ttl.isdigit() and ":" in owner else None
-
-
-def _owner_presence_ms(entry: bytes) -> int | None:
-    """How long a waiter's entry may stay untouched: its hand-off TTL (its presence
-    window, at most its TTL); an owner id of an older version carries only its TTL."""
-    ttl = _owner_ttl_ms(entry)
-    if ttl is None:
-        return None
-    parts = _owner_of(entry).rsplit(":", 2)
-    if len(parts) == 3 and parts[1].isdigit():
-        return min(int(parts[1]), ttl)
-    return ttl
-
-
-@dataclass(frozen=True, slots=True)
-class _Seen:
-    """An entry ahead of a contender, as one reply showed it."""
-
-    key: bytes
-    mod_revision: int
-    held: bool
-
-    @classmethod
-    def of(cls, kv: dict[str, Any]) -> _Seen:
-        return cls(_unb64(kv["key"]), int(kv["mod_revision"]),
-                   _unb64(kv.get("value", "")) == HELD)
-
-    def silence_ms(self) -> int | None:
-        """How long this entry may go untouched before a contender removes it."""
-        return _owner_ttl_ms(self.key) if self.held else _owner_presence_ms(self.key)
-
-
-def _offset(response: dict[str, Any]) -> int:
-    kvs = _kvs(response)
-    return int(_unb64(kvs[0].get("value", "")) or b"0") if kvs else 0
-
-
-def _epoch(response: dict[str, Any]) -> int | None:
-    """The cluster's epoch from a range of the epoch key; None when it is not written yet."""
-    kvs = _kvs(response)
-    return int(_unb64(kvs[0].get("value", "")) or b"0") if kvs else None
-
-
-@dataclass(frozen=True, slots=True)
-class _Names:
-    """The etcd keys of one lock key and one contender."""
-
-    queue: bytes
-    entry: bytes
-    floor: bytes
-
-    @classmethod
-    def of(cls, prefix: bytes, key: str, owner: str = "") -> _Names:
-        escaped = quote(key, safe="").encode("ascii")
-        queue = prefix + b"q/" + escaped + b"/"
-        return cls(queue=queue, entry=queue + quote(owner, safe="").encode("ascii"),
-                   floor=prefix + b"floor/" + escaped)
-
-    @property
-    def queue_end(self) -> bytes:
-        return _prefix_end(self.queue)
-
-
 @dataclass(slots=True)
 class _ProcessLease:
     id: int
@@ -287,151 +180,6 @@ class _Entry:
     ahead: bytes | None  # the entry just ahead; None when this one is first (the holder)
     seen: int  # store revision at which ``ahead`` was read
     token: int | None = None
-
-
-class _Wake:
-    """A waiter's doorbell: a thread's event, and for asyncio a future on its loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.event = threading.Event()
-        self.loop = loop
-        self.future: asyncio.Future[None] | None = loop.create_future() if loop else None
-
-    def ring(self) -> None:
-        self.event.set()
-        if self.loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                self.loop.call_soon_threadsafe(self._resolve)
-
-    def _resolve(self) -> None:
-        if self.future is not None and not self.future.done():
-            self.future.set_result(None)
-
-
-class _DeletionWatch:
-    """One watch on every queue entry's deletion, rung into the local waiters' doorbells.
-
-    ``subscribe(key, seen)`` rings at once when ``key`` was deleted after revision
-    ``seen`` and the deletion has already streamed past, or when the stream cannot
-    vouch for that range (it started later, or history was compacted): a spurious
-    ring only costs the waiter one read, a missed one would cost it a poll.
-    """
-
-    RECENT = 4096  # deletions remembered for subscribers that arrive just after them
-    IDLE_S = 30.0  # an idle stream is re-opened (from where it was) after this long
-
-    def __init__(self, backend: EtcdBackend, queue_root: bytes) -> None:
-        self._backend = backend
-        self._root = queue_root
-        self._lock = threading.Lock()
-        self._waiting: dict[bytes, list[_Wake]] = {}
-        self._recent: OrderedDict[bytes, int] = OrderedDict()
-        self._origin = 0  # every deletion at a revision >= origin is streamed or rung
-        self._next = 0  # start revision of the next stream
-        self._thread: threading.Thread | None = None
-        self._response: requests.Response | None = None
-        self._stopped = threading.Event()
-        self._endpoint = backend._current
-
-    def subscribe(self, key: bytes, seen: int, wake: _Wake) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._origin = self._next = seen + 1
-                self._thread = threading.Thread(target=self._run, name="toolguard-etcd-watch",
-                                                daemon=True)
-                self._thread.start()
-            if seen + 1 < self._origin or self._recent.get(key, 0) > seen:
-                wake.ring()
-                return
-            self._waiting.setdefault(key, []).append(wake)
-
-    def unsubscribe(self, key: bytes, wake: _Wake) -> None:
-        with self._lock:
-            wakes = self._waiting.get(key, [])
-            if wake in wakes:
-                wakes.remove(wake)
-            if not wakes:
-                self._waiting.pop(key, None)
-
-    def close(self) -> None:
-        self._stopped.set()
-        response = self._response
-        if response is not None:
-            _shutdown(response)
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        pause = 0.05
-        while not self._stopped.is_set():
-            try:
-                self._stream()
-                pause = 0.05
-            except Exception:  # the stream broke: reopen it from where it was, on the next member
-                self._endpoint = (self._endpoint + 1) % len(self._backend.endpoints)
-                if self._stopped.wait(pause):
-                    return
-                pause = min(1.0, pause * 2)
-
-    def _stream(self) -> None:
-        client = self._backend._new_client(pool_size=1, endpoint=self._endpoint)
-        request: dict[str, str | int | list[str]] = {
-            "key": _b64(self._root), "range_end": _b64(_prefix_end(self._root)),
-            "filters": ["NOPUT"], "start_revision": self._next}
-        body = {"create_request": request}
-        try:
-            response = client.session.post(client.get_url("/watch"), json=body, stream=True,
-                                           timeout=(self._backend.timeout_s, self.IDLE_S))
-            self._response = response
-            if self._stopped.is_set():
-                return
-            pending = b""
-            for chunk in response.iter_content(chunk_size=None):
-                pending += chunk
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    if line.strip():
-                        self._deliver(json.loads(line).get("result", {}))
-        except requests.exceptions.ConnectionError:
-            if not self._stopped.is_set():
-                raise
-        finally:
-            self._response = None
-            client.session.close()
-
-    def _deliver(self, result: dict[str, Any]) -> None:
-        compacted = int(result.get("compact_revision", 0))
-        if compacted or result.get("canceled"):  # history is gone: ring everyone, start afresh
-            with self._lock:
-                self._origin = self._next = max(self._next, compacted)
-                wakes = [w for group in self._waiting.values() for w in group]
-                self._waiting.clear()
-            for wake in wakes:
-                wake.ring()
-            msg = f"etcd watch cancelled (compacted at {compacted})"
-            raise RuntimeError(msg)
-        rung: list[_Wake] = []
-        with self._lock:
-            for event in result.get("events", []):
-                key, revision = _unb64(event["kv"]["key"]), int(event["kv"]["mod_revision"])
-                self._recent[key] = revision
-                self._recent.move_to_end(key)
-                rung.extend(self._waiting.pop(key, []))
-                self._next = max(self._next, revision + 1)
-            while len(self._recent) > self.RECENT:
-                self._recent.popitem(last=False)
-        for wake in rung:
-            wake.ring()
-
-
-def _shutdown(response: requests.Response) -> None:
-    """Unblock the thread reading a streamed response (closing alone does not wake a recv)."""
-    with contextlib.suppress(Exception):
-        sock = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-        sock.shutdown(socket.SHUT_RDWR)
-        sock.close()
-    with contextlib.suppress(Exception):
-        response.close()
 
 
 class _LeaseNotFound(BackendUnavailable):

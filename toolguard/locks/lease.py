@@ -160,7 +160,7 @@ class Lease:
 def _count_lost(error: LockLost) -> None:
     """``toolguard.leases.lost``; imported here, on the rare loss, to keep ``import`` light."""
     try:
-        from toolguard import telemetry
+        from toolguard.runtime import telemetry
 
         telemetry.lease_lost(error.reason)
     except Exception:  # a metrics failure must not stop the renewal loop

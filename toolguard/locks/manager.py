@@ -57,7 +57,6 @@ from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from toolguard.cancellation import finish
 from toolguard.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -75,6 +74,7 @@ from toolguard.locks.base import (
     new_owner,
 )
 from toolguard.locks.lease import RENEW_FRACTION, Lease, heartbeat
+from toolguard.runtime.cancellation import finish
 
 __all__ = ["AsyncLockManager", "LockManager"]
 

@@ -22,60 +22,33 @@ holder's lock simply expires: the next contender, or a waiter's bounded poll, fi
 it expired and passes it on. A crashed waiter's presence deadline lapses and it
 drops out; one that is handed the lock first holds it only for its hand-off TTL.
 
-Stale notifications: a NOTIFY is delivered whenever the listening connection reads
-it, possibly long after its grant ended (this process was stopped, the waiter gave
-up and queued again). Every acquire that answers "queued" also returns the key's
-last token at that moment, and the waiter's doorbell drops any token at or below
-it: a grant still ours would have been returned by that call, so an older token is
-one that has already expired or been released. A token above it was granted after
-the call, which is where the manager starts the lease's TTL.
-
 The schema is installed on first use (``install()`` does it explicitly, and so does
 ``install_lock_schema(url)``, without a backend); an older lock schema is upgraded
 in the same transaction. ``SCHEMA_VERSION`` is recorded as the comment of the
 acquire function.
 
-Upgrading from lock schema 1: the tables are kept (tokens stay above everything
-granted before), the helper functions are replaced (their bodies mean the same in
-both versions), and the new acquire function takes one more argument (the hand-off
-TTL), so it is a separate overload. The version 1 acquire is left in place on
-purpose: clients of the previous release that are still running keep working on
-the same tables during a rolling upgrade, with their own semantics (their hand-offs
-still run for their full TTL, which is what they expect).
-
-Lock schema 3 changes function bodies only (same signatures, so version 2 clients
-use them as they are): acquire creates or locks the key's fence row in one
-statement (version 2 inserted it, then locked it in a second statement, and an
-idle-row sweep in between made the grant fail with a NOT NULL violation), and a
-grant creates a fence row that is missing instead of minting NULL.
+The parts: ``toolguard.locks.postgres_schema`` holds the SQL and installs it (and
+says how older schemas are upgraded), ``toolguard.locks.postgres_listen`` the
+LISTEN connection and the waiters' doorbells (and how stale notifications are
+dropped), ``toolguard.locks.postgres_calls`` the watchdog and the outage verdicts
+that keep each statement bounded. This module holds the two backends and
+re-exports the public names of the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
-import itertools
 import os
-import re
-import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import psycopg
-from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
-from toolguard.connection_errors import (
-    definitive,
-    misconfigured,
-    postgres_probe_options,
-    redacted_url,
-)
 from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks.base import (
     MIN_TTL_MS,
@@ -84,6 +57,36 @@ from toolguard.locks.base import (
     check_ms,
     check_seconds,
     owner_handoff_ms,
+)
+from toolguard.locks.postgres_calls import (
+    _STALLED,
+    DIRECT_CONNECT_TIMEOUT_S,
+    _Call,
+    _has_idle,
+    _pool_trouble,
+    _trouble_of,
+    _Watchdog,
+)
+from toolguard.locks.postgres_listen import _Listener
+from toolguard.locks.postgres_schema import (
+    _SCHEMA_GONE,
+    SCHEMA,
+    SCHEMA_MARK,
+    SCHEMA_VERSION,
+    _install,
+    install_lock_schema,
+    lock_schema_version,
+)
+
+# Moved to postgres_schema; still imported from here (the doctor's checks, toolguard.cli.db).
+from toolguard.locks.postgres_schema import _installed_version as _installed_version
+from toolguard.locks.postgres_schema import _Statements as _Statements
+from toolguard.locks.postgres_schema import check_schema_name as check_schema_name
+from toolguard.runtime.connection_errors import (
+    definitive,
+    misconfigured,
+    postgres_probe_options,
+    redacted_url,
 )
 
 __all__ = [
@@ -104,431 +107,15 @@ INFO = BackendInfo(
     note="leases on database time; tokens durable in the same database as the store",
 )
 
-#: The lock schema's version, stored in the comment of the acquire function.
-SCHEMA_VERSION = 3
-SCHEMA_MARK = f"toolguard lock schema {SCHEMA_VERSION}"
-_MARK_PREFIX = "toolguard lock schema "
-
-#: The SQL of the current lock schema; ``{s}`` is the schema prefix (``"name".`` or empty).
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS {s}toolguard_lock_fence (
-    key   text PRIMARY KEY,
-    token bigint NOT NULL
-);
-CREATE TABLE IF NOT EXISTS {s}toolguard_lock_holder (
-    key        text PRIMARY KEY,
-    owner      text NOT NULL,
-    token      bigint NOT NULL,
-    expires_at timestamptz NOT NULL
-);
--- ttl_ms: how long a hand-off to this waiter lasts until its first renewal.
-CREATE TABLE IF NOT EXISTS {s}toolguard_lock_waiter (
-    key           text NOT NULL,
-    owner         text NOT NULL,
-    arrival       bigint GENERATED ALWAYS AS IDENTITY,
-    ttl_ms        integer NOT NULL,
-    channel       text NOT NULL,
-    present_until timestamptz NOT NULL,
-    PRIMARY KEY (key, owner)
-);
-CREATE INDEX IF NOT EXISTS toolguard_lock_waiter_line ON {s}toolguard_lock_waiter (key, arrival);
-
--- Mint p_key's next token and make p_owner its holder for p_ttl_ms (the caller holds
--- the fence row lock). Returns the token. A fence row that is missing all the same (swept
--- as idle) is created with the database time, as acquire would: never a NULL token.
-CREATE OR REPLACE FUNCTION {s}toolguard_lock_grant(p_key text, p_owner text, p_ttl_ms integer)
-RETURNS bigint LANGUAGE plpgsql AS $$
-#variable_conflict use_column
-DECLARE
-    v_token bigint;
-BEGIN
-    INSERT INTO {s}toolguard_lock_fence AS f (key, token)
-    VALUES (p_key, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)
-    ON CONFLICT (key) DO UPDATE SET token = greatest(f.token + 1, excluded.token)
-    RETURNING f.token INTO v_token;
-    INSERT INTO {s}toolguard_lock_holder (key, owner, token, expires_at)
-    VALUES (p_key, p_owner, v_token, clock_timestamp() + p_ttl_ms * interval '1 millisecond')
-    ON CONFLICT (key) DO UPDATE
-       SET owner = excluded.owner, token = excluded.token, expires_at = excluded.expires_at;
-    DELETE FROM {s}toolguard_lock_waiter WHERE key = p_key AND owner = p_owner;
-    RETURN v_token;
-END $$;
-
--- Give the free p_key to its first live waiter, if any, for that waiter's hand-off TTL,
--- and NOTIFY that waiter's process with 'owner token key' (the caller holds the fence
--- row lock).
-CREATE OR REPLACE FUNCTION {s}toolguard_lock_pass(p_key text)
-RETURNS void LANGUAGE plpgsql AS $$
-#variable_conflict use_column
-DECLARE
-    v_next {s}toolguard_lock_waiter%ROWTYPE;
-BEGIN
-    DELETE FROM {s}toolguard_lock_waiter WHERE key = p_key AND present_until < clock_timestamp();
-    SELECT * INTO v_next FROM {s}toolguard_lock_waiter WHERE key = p_key ORDER BY arrival LIMIT 1;
-    IF FOUND THEN
-        PERFORM pg_notify(v_next.channel, v_next.owner || ' '
-                          || {s}toolguard_lock_grant(p_key, v_next.owner, v_next.ttl_ms)
-                          || ' ' || p_key);
-    END IF;
-END $$;
-
--- Grant p_key to p_owner for p_ttl_ms if it is free and p_owner is first in line; if
--- p_owner holds it already (a hand-off that raced with the end of a wait, a retry after
--- a lost reply), extend it to p_ttl_ms from now. Else queue p_owner (or refresh its
--- presence), to be handed the lock for p_handoff_ms. A free key whose first waiter is
--- someone else is handed to that waiter on the way.
--- Returns (token, 0, token) on a grant, (NULL, ms left on the holder's lease, the key's
--- last token) when queued: a hand-off to p_owner with a token at or below that one is
--- over already.
-CREATE OR REPLACE FUNCTION {s}toolguard_lock_acquire(
-    p_key text, p_owner text, p_ttl_ms integer, p_handoff_ms integer, p_presence_ms integer,
-    p_channel text, OUT token bigint, OUT retry_ms integer, OUT last_token bigint)
-LANGUAGE plpgsql AS $$
-#variable_conflict use_column
-DECLARE
-    v_holder {s}toolguard_lock_holder%ROWTYPE;
-    v_first text;
-BEGIN
-    -- Create or lock the key's fence row in one statement: an idle-row sweep
-    -- (toolguard.locks.upkeep) can never delete it between finding and locking it.
-    INSERT INTO {s}toolguard_lock_fence AS f (key, token) VALUES (p_key, 0)
-    ON CONFLICT (key) DO UPDATE SET token = f.token;
-    DELETE FROM {s}toolguard_lock_holder WHERE key = p_key AND expires_at <= clock_timestamp();
-    SELECT * INTO v_holder FROM {s}toolguard_lock_holder WHERE key = p_key;
-    IF NOT FOUND THEN
-        DELETE FROM {s}toolguard_lock_waiter
-         WHERE key = p_key AND present_until < clock_timestamp();
-        SELECT owner INTO v_first FROM {s}toolguard_lock_waiter WHERE key = p_key
-         ORDER BY arrival LIMIT 1;
-        IF v_first IS NULL OR v_first = p_owner THEN
-            token := {s}toolguard_lock_grant(p_key, p_owner, p_ttl_ms);
-            retry_ms := 0;
-            last_token := token;
-            RETURN;
-        END IF;
-        PERFORM {s}toolguard_lock_pass(p_key);
-        SELECT * INTO v_holder FROM {s}toolguard_lock_holder WHERE key = p_key;
-    ELSIF v_holder.owner = p_owner THEN
-        UPDATE {s}toolguard_lock_holder
-           SET expires_at = clock_timestamp() + p_ttl_ms * interval '1 millisecond'
-         WHERE key = p_key;
-        token := v_holder.token;
-        retry_ms := 0;
-        last_token := token;
-        RETURN;
-    END IF;
-    INSERT INTO {s}toolguard_lock_waiter (key, owner, ttl_ms, channel, present_until)
-    VALUES (p_key, p_owner, p_handoff_ms, p_channel,
-            clock_timestamp() + p_presence_ms * interval '1 millisecond')
-    ON CONFLICT (key, owner) DO UPDATE
-       SET present_until = excluded.present_until, channel = excluded.channel,
-           ttl_ms = excluded.ttl_ms;
-    token := NULL;
-    retry_ms := greatest(1, ceil(extract(epoch FROM v_holder.expires_at - clock_timestamp()) * 1000));
-    SELECT f.token INTO last_token FROM {s}toolguard_lock_fence f WHERE f.key = p_key;
-END $$;
-
--- Release p_key if p_owner holds it (then pass it to the first live waiter), and
--- leave its line either way. Returns true if p_owner held an unexpired lease.
-CREATE OR REPLACE FUNCTION {s}toolguard_lock_release(p_key text, p_owner text)
-RETURNS boolean LANGUAGE plpgsql AS $$
-#variable_conflict use_column
-DECLARE
-    v_expires timestamptz;
-BEGIN
-    PERFORM 1 FROM {s}toolguard_lock_fence WHERE key = p_key FOR UPDATE;
-    DELETE FROM {s}toolguard_lock_waiter WHERE key = p_key AND owner = p_owner;
-    DELETE FROM {s}toolguard_lock_holder WHERE key = p_key AND owner = p_owner
-    RETURNING expires_at INTO v_expires;
-    IF NOT FOUND THEN
-        RETURN false;
-    END IF;
-    PERFORM {s}toolguard_lock_pass(p_key);
-    RETURN v_expires > clock_timestamp();
-END $$;
-"""
-
-_ACQUIRE_ARGS = "text,text,integer,integer,integer,text"
-#: The acquire function of lock schema 1 (kept for its clients; see the module docstring).
-_ACQUIRE_ARGS_V1 = "text,text,integer,integer,text"
-_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
-#: SQLSTATEs meaning the lock schema is not (or no longer) there: install it again.
-_SCHEMA_GONE = (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName)
-
-# Extend every (key, owner) still held and unexpired; one row per input, in order.
-RENEW = """
-WITH held AS (
-    SELECT * FROM unnest(%s::text[], %s::text[], %s::integer[]) WITH ORDINALITY
-        AS h(key, owner, ttl_ms, n)
-), renewed AS (
-    UPDATE {s}toolguard_lock_holder l
-       SET expires_at = clock_timestamp() + held.ttl_ms * interval '1 millisecond'
-      FROM held
-     WHERE l.key = held.key AND l.owner = held.owner AND l.expires_at > clock_timestamp()
-    RETURNING held.n
-)
-SELECT held.n IN (SELECT n FROM renewed) FROM held ORDER BY held.n
-"""
-RAISE_FLOOR = """
-INSERT INTO {s}toolguard_lock_fence (key, token) VALUES (%s, %s)
-ON CONFLICT (key) DO UPDATE SET token = greatest({s}toolguard_lock_fence.token, excluded.token)
-"""
-
-
-def check_schema_name(schema: str | None) -> str | None:
-    """A plain SQL identifier (as the store's ``schema=``), else ``ConfigurationError``."""
-    if schema is not None and (not isinstance(schema, str) or not _SCHEMA_NAME.match(schema)):
-        msg = f"schema must be a plain SQL identifier, got {schema!r}"
-        raise ConfigurationError(msg)
-    return schema
-
-
-@dataclasses.dataclass(frozen=True)
-class _Statements:
-    """The lock SQL for one schema (the schema name is validated, then quoted)."""
-
-    schema: str | None
-
-    @functools.cached_property
-    def prefix(self) -> str:
-        return f'"{self.schema}".' if self.schema else ""
-
-    def _q(self, text: str) -> str:
-        return text.replace("{s}", self.prefix)
-
-    @functools.cached_property
-    def install(self) -> str:
-        return self._q(SCHEMA)
-
-    @functools.cached_property
-    def create_schema(self) -> str | None:
-        return f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"' if self.schema else None
-
-    @functools.cached_property
-    def mark(self) -> str:
-        return self._q(f"COMMENT ON FUNCTION {{s}}toolguard_lock_acquire({_ACQUIRE_ARGS}) "
-                       f"IS '{SCHEMA_MARK}'")
-
-    @functools.cached_property
-    def version(self) -> str:
-        """One row: the marks of the current and of the version 1 acquire functions."""
-        current = self._q(f"{{s}}toolguard_lock_acquire({_ACQUIRE_ARGS})")
-        old = self._q(f"{{s}}toolguard_lock_acquire({_ACQUIRE_ARGS_V1})")
-        return (f"SELECT obj_description(to_regprocedure('{current}'), 'pg_proc'), "
-                f"obj_description(to_regprocedure('{old}'), 'pg_proc')")
-
-    @functools.cached_property
-    def install_lock(self) -> str:
-        name = "toolguard_lock_schema" + (f":{self.schema}" if self.schema else "")
-        return f"SELECT pg_advisory_xact_lock(hashtext('{name}'))"
-
-    @functools.cached_property
-    def acquire(self) -> str:
-        return self._q("SELECT token, retry_ms, last_token FROM "
-                       "{s}toolguard_lock_acquire(%s, %s, %s, %s, %s, %s)")
-
-    @functools.cached_property
-    def release(self) -> str:
-        return self._q("SELECT {s}toolguard_lock_release(%s, %s)")
-
-    @functools.cached_property
-    def renew(self) -> str:
-        return self._q(RENEW)
-
-    @functools.cached_property
-    def raise_floor(self) -> str:
-        return self._q(RAISE_FLOOR)
-
-    @functools.cached_property
-    def current_token(self) -> str:
-        return self._q("SELECT token FROM {s}toolguard_lock_fence WHERE key = %s")
-
-
-def _version_of(row: tuple[Any, ...] | None) -> int:
-    """The newest version marked in ``_Statements.version``'s row (0: none)."""
-    versions = [int(mark[len(_MARK_PREFIX):]) for mark in row or ()
-                if isinstance(mark, str) and mark.startswith(_MARK_PREFIX)
-                and mark[len(_MARK_PREFIX):].isdigit()]
-    return max(versions, default=0)
-
-
-def _installed_version(conn: psycopg.Connection[Any], statements: _Statements) -> int:
-    return _version_of(conn.execute(statements.version).fetchone())
-
-
-def _install(conn: psycopg.Connection[Any], statements: _Statements, *, force: bool = False) -> int:
-    """Create the schema, or upgrade an older one, in one transaction; returns the version.
-
-    Serialized by an advisory lock, so concurrent first uses install once. Tables are
-    kept (tokens stay above everything granted before); functions are created or
-    replaced (see the module docstring for what happens to version 1's).
-    """
-    with conn.transaction():
-        conn.execute(statements.install_lock)
-        if statements.create_schema is not None:
-            conn.execute(statements.create_schema)
-        if not force and _installed_version(conn, statements) >= SCHEMA_VERSION:
-            return SCHEMA_VERSION
-        conn.execute(cast(Any, statements.install))
-        conn.execute(statements.mark)
-    return SCHEMA_VERSION
-
-
-def install_lock_schema(url: str, *, schema: str | None = None, timeout_s: float = 10.0) -> int:
-    """Install (or upgrade) the PostgreSQL lock schema at ``url``; returns its version.
-
-    For ``toolguard db init`` and deploy scripts: one connection, no manager, no pool.
-    """
-    statements = _Statements(check_schema_name(schema))
-    try:
-        with psycopg.connect(url, autocommit=True, connect_timeout=max(1, int(timeout_s))) as conn:
-            return _install(conn, statements)
-    except psycopg.OperationalError as error:
-        raise BackendUnavailable(f"postgres: {error}") from error
-
-
-def lock_schema_version(url: str, *, schema: str | None = None, timeout_s: float = 10.0) -> int:
-    """The lock schema version installed at ``url`` (0: none; ``SCHEMA_VERSION``: current)."""
-    statements = _Statements(check_schema_name(schema))
-    try:
-        with psycopg.connect(url, autocommit=True, connect_timeout=max(1, int(timeout_s))) as conn:
-            return _installed_version(conn, statements)
-    except psycopg.OperationalError as error:
-        raise BackendUnavailable(f"postgres: {error}") from error
-
-
 T = TypeVar("T")
 
-
-class _Doorbell:
-    """Where a hand-off's token lands for one waiting (key, owner): a thread's event,
-    and futures of asyncio tasks on their loops.
-
-    ``floor`` is the key's last token as the latest "queued" answer saw it: a token at
-    or below it belongs to a grant that has ended, and is dropped (see the module
-    docstring).
-    """
-
-    def __init__(self) -> None:
-        self.token: int | None = None
-        self.floor = 0
-        self.event = threading.Event()
-        self._futures: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[int]]] = []
-        self._lock = threading.Lock()
-
-    def ring(self, token: int) -> None:
-        with self._lock:
-            if token <= self.floor or (self.token is not None and token <= self.token):
-                return  # a hand-off that is over already, or one rung before
-            self.token = token
-            self.event.set()
-            futures, self._futures = self._futures, []
-        for loop, future in futures:
-            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
-                loop.call_soon_threadsafe(_resolve, future, token)
-
-    def queued(self, floor: int) -> None:
-        """A "queued" answer that saw ``floor`` as the key's last token."""
-        with self._lock:
-            self.floor = max(self.floor, floor)
-            if self.token is not None and self.token <= self.floor:
-                self.token = None
-                self.event.clear()
-
-    def taken(self) -> int | None:
-        with self._lock:
-            return self.token
-
-    def future(self) -> asyncio.Future[int]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[int] = loop.create_future()
-        with self._lock:
-            if self.token is not None:
-                future.set_result(self.token)
-            else:
-                self._futures.append((loop, future))
-        return future
-
-
 #: Longest one lock statement may wait for a pooled connection, and then for its answer
-#: before that connection is cut.
+#: before that connection is cut. (Here, with the code that reads it, rather than in
+#: ``postgres_calls``: the fault tests patch it on this module.)
 CALL_TIMEOUT_S = 5.0
-#: After a call failed to reach the server, and until the pool has an idle connection
-#: again, calls do not wait on the pool (whose reconnects are 1, 2, 4... s apart): a
-#: server that refused or dropped the connection ("down") is tried on a connection of
-#: the call's own, refused at once while it is away and used as soon as it is back; a
-#: link that stopped answering ("stalled") fails the call at once, since a new
-#: connection would stall too. So a retrying acquire keeps its deadline, and a
-#: release on give-up returns quickly. A connection of its own gives up after this.
-DIRECT_CONNECT_TIMEOUT_S = 2  # libpq's shortest
-_DOWN, _STALLED = "down", "stalled"
 
-
-class _Call:
-    """One statement under the watchdog; ``cut`` tells the caller why its connection died."""
-
-    __slots__ = ("cut", "deadline", "fd")
-
-    def __init__(self, fd: int, deadline: float) -> None:
-        self.fd = fd
-        self.deadline = deadline
-        self.cut = False
-
-
-class _Watchdog:
-    """Cuts the socket of a statement that outlives its deadline.
-
-    psycopg has no client-side read timeout: on a link that stopped answering
-    (not closed), a lock call would wait as long as the stall lasts, and a
-    release must never hang. Shutting the socket down makes psycopg's wait
-    return at once with an OperationalError; the pool then drops the connection.
-    One thread serves every connection of the process.
-    """
-
-    def __init__(self) -> None:
-        self._calls: dict[int, _Call] = {}
-        self._ids = itertools.count()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._wake_at = 0.0
-
-    @contextlib.contextmanager
-    def watch(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
-              timeout_s: float) -> Any:
-        call = _Call(conn.fileno(), time.monotonic() + timeout_s)
-        ident = next(self._ids)
-        with self._cond:
-            self._calls[ident] = call
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="toolguard-pg-watchdog",
-                                                daemon=True)
-                self._thread.start()
-            elif call.deadline < self._wake_at:
-                self._cond.notify()
-        try:
-            yield call
-        finally:
-            with self._cond:
-                self._calls.pop(ident, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                late = [ident for ident, call in self._calls.items() if call.deadline <= now]
-                # Cut while holding the lock: ``watch`` cannot return (and the connection
-                # cannot be closed and its descriptor reused) until this is done.
-                for ident in late:
-                    call = self._calls.pop(ident)
-                    call.cut = True
-                    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(call.fd)) as sock:
-                        sock.shutdown(socket.SHUT_RDWR)
-                if not late:
-                    self._wake_at = min((c.deadline for c in self._calls.values()), default=now + 60)
-                    self._cond.wait(max(0.001, self._wake_at - now))
-                    self._wake_at = 0.0
-
-
+#: The process's watchdog (``postgres_calls._Watchdog``), looked up here on every call:
+#: a forked child gets a new one.
 _watchdog = _Watchdog()
 
 
@@ -544,85 +131,6 @@ def _timed_out(call: _Call | None, error: BaseException) -> BackendUnavailable |
     if call is None or not call.cut:
         return None
     return BackendUnavailable(f"postgres: no answer within {CALL_TIMEOUT_S:g}s ({error})")
-
-
-def _resolve(future: asyncio.Future[int], token: int) -> None:
-    if not future.done():
-        future.set_result(token)
-
-
-class _Listener:
-    """One LISTEN connection per backend object, on a channel of its own.
-
-    Notifications name the owner, so the thread rings exactly one doorbell; while
-    the connection is down waiters fall back to their bounded poll.
-    """
-
-    def __init__(self, conninfo: str, channel: str, connect_options: dict[str, Any]) -> None:
-        self.conninfo = conninfo
-        self.channel = channel
-        self.connect_options = connect_options
-        self.ready = threading.Event()
-        self._bells: dict[tuple[str, str], _Doorbell] = {}
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, timeout_s: float) -> None:
-        """Start listening; the first call waits (at most ``timeout_s``) for LISTEN to be in
-        place, so the first hand-off is not missed. Later calls never block."""
-        with self._lock:
-            if self._thread is not None:
-                return
-            self._thread = threading.Thread(target=self._run, name="toolguard-pg-listen",
-                                            daemon=True)
-            self._thread.start()
-        self.ready.wait(timeout_s)
-
-    def bell(self, key: str, owner: str, *, create: bool = False) -> _Doorbell | None:
-        with self._lock:
-            bell = self._bells.get((key, owner))
-            if bell is None and create:
-                bell = self._bells[(key, owner)] = _Doorbell()
-            return bell
-
-    def forget(self, key: str, owner: str) -> None:
-        with self._lock:
-            self._bells.pop((key, owner), None)
-
-    def close(self) -> None:
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        pause = 0.05
-        while not self._stopped.is_set():
-            try:
-                with psycopg.connect(self.conninfo, autocommit=True,
-                                     **self.connect_options) as conn:
-                    conn.execute(f'LISTEN "{self.channel}"')
-                    self.ready.set()
-                    pause = 0.05
-                    while not self._stopped.is_set():
-                        for note in conn.notifies(timeout=0.5):
-                            if self._stopped.is_set():
-                                break
-                            self._deliver(note.payload)
-            except Exception:  # the connection broke (or worse): listen again, waiters poll meanwhile
-                self.ready.clear()
-                if self._stopped.wait(pause):
-                    return
-                pause = min(1.0, pause * 2)
-
-    def _deliver(self, payload: str) -> None:
-        parts = payload.split(" ", 2)
-        if len(parts) != 3 or not parts[1].isdigit():  # e.g. the empty wake-up sent by close()
-            return
-        owner, token, key = parts
-        bell = self.bell(key, owner)
-        if bell is not None:
-            bell.ring(int(token))
 
 
 class PostgresBackend:
@@ -910,25 +418,6 @@ class PostgresBackend:
 def _rows(cursor: psycopg.Cursor[Any]) -> list[tuple[Any, ...]]:
     return cursor.fetchall() if cursor.description else []
 
-
-def _has_idle(pool: ConnectionPool | AsyncConnectionPool) -> bool:
-    return bool(pool.get_stats().get("pool_available", 0))
-
-
-def _pool_trouble(pool: ConnectionPool | AsyncConnectionPool, seen_errors: int) -> tuple[str, int]:
-    """After waiting for a pooled connection in vain: did the pool's own attempts fail
-    since ``seen_errors`` (the server refuses: down), or just not finish (stalled)?
-    Returns the trouble and the pool's error count now."""
-    errors = int(pool.get_stats().get("connections_errors", 0))
-    return (_DOWN if errors > seen_errors else _STALLED), errors
-
-
-def _trouble_of(error: BaseException, silent: BackendUnavailable | None) -> str:
-    """A call cut by the watchdog, or a connection that could not be made in time, is a
-    stalled link; any other connection error means the server refused or dropped it."""
-    if silent is not None or isinstance(error, pg_errors.ConnectionTimeout):
-        return _STALLED
-    return _DOWN
 
 
 class AsyncPostgresBackend:

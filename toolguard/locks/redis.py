@@ -44,9 +44,9 @@ try:
 except ImportError:  # an older redis-py: the version goes in lib_version=
     DriverInfo = None  # type: ignore[assignment,misc]
 
-from toolguard.connection_errors import failure, refuse_misconfigured
 from toolguard.errors import ConfigurationError, ToolGuardError
 from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms
+from toolguard.runtime.connection_errors import failure, refuse_misconfigured
 
 __all__ = ["AsyncRedisBackend", "RedisBackend", "redis_keys"]
 

@@ -1,8 +1,8 @@
 """The production controls of a tool's policy: ``approval:``, ``quotas:`` and ``mode:``.
 
 Only their shape and the checks that need the whole policy live here; what they
-decide for one call is in ``toolguard.approvals``, ``toolguard.limits`` and
-``toolguard.shadow``, so the model stays free of behaviour.
+decide for one call is in ``toolguard.controls.approvals``, ``toolguard.limits`` and
+``toolguard.controls.shadow``, so the model stays free of behaviour.
 
 .. code-block:: yaml
 

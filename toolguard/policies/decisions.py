@@ -15,19 +15,19 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from toolguard.call.intent import (
+    IdempotencyKeyFn,
+    Intent,
+    bounded_key,
+    default_idempotency_key,
+    json_args,
+)
 from toolguard.errors import (
     GuardMisconfigured,
     InvalidArguments,
     MissingIdentity,
     NotAuthorized,
     UnknownTool,
-)
-from toolguard.intent import (
-    IdempotencyKeyFn,
-    Intent,
-    bounded_key,
-    default_idempotency_key,
-    json_args,
 )
 from toolguard.policies.model import ANY_AGENT, ArgConstraint, Policy, ToolPolicy
 from toolguard.policies.paths import MISSING, STAR, FieldPath

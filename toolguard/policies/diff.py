@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolguard.approvals import approval_reason
+from toolguard.call.intent import check_limits
+from toolguard.controls.approvals import approval_reason
 from toolguard.errors import IntentRejected
-from toolguard.intent import check_limits
 from toolguard.policies.decisions import (
     REDACTED,
     authorize,

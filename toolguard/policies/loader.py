@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from toolguard.call.intent import IdempotencyKeyFn
 from toolguard.errors import PolicyProblems
-from toolguard.intent import IdempotencyKeyFn
 from toolguard.policies.model import ArgConstraint, Location, Policy, Problem, dotted, locate
 
 __all__ = ["build_policy", "load_policy", "policy_files", "read_policy_data"]

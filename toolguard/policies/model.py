@@ -32,8 +32,8 @@ from pydantic import (
     model_validator,
 )
 
+from toolguard.call.intent import DEFAULT_LIMITS, IdempotencyKeyFn, IdempotencyScope, Limits, canonical_json
 from toolguard.errors import PolicyProblems
-from toolguard.intent import DEFAULT_LIMITS, IdempotencyKeyFn, IdempotencyScope, Limits, canonical_json
 from toolguard.policies import controls
 from toolguard.policies.controls import ApprovalSetting, Mode, QuotaList
 from toolguard.policies.paths import FieldPath
@@ -202,7 +202,7 @@ class ToolPolicy(BaseModel):
     nothing: it needs no lock. ``idempotency_scope`` says how far a tool-call
     id is unique for the default idempotency key: ``thread`` (the thread and
     agent/node path) or ``task`` (one LangGraph task), see
-    ``toolguard.intent.default_idempotency_key``.
+    ``toolguard.call.intent.default_idempotency_key``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

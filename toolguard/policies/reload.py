@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Mapping
 from types import FrameType
 from typing import Any, Self
 
+from toolguard.call.intent import IdempotencyKeyFn
 from toolguard.errors import ConfigurationError, PolicyProblems
-from toolguard.intent import IdempotencyKeyFn
 from toolguard.policies.loader import PathLike, load_policy, policy_files
 from toolguard.policies.model import Policy
 

@@ -28,7 +28,6 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from toolguard.cli.audit import REASONS, visible
 from toolguard.errors import ToolGuardError
 from toolguard.review.chart import decisions_chart
 from toolguard.review.filters import MAX_LIMIT, PARAMS, PageFilters, parse_filters
@@ -49,9 +48,10 @@ from toolguard.review.views import (
     when,
     why,
 )
+from toolguard.runtime.connection_errors import redacted_url as redact
 from toolguard.store import AuditEntry, GuardedStore
+from toolguard.store.audit_view import REASONS, visible
 from toolguard.store.policy_versions import read_policy_text
-from toolguard.store.postgres import redact
 
 __all__ = ["ATTEMPTS_LIMIT", "SCAN_LIMIT", "create_app"]
 

@@ -1,4 +1,4 @@
-"""The page's filters: query parameters in, ``AuditFilters`` (the CLI's own) out.
+"""The page's filters: query parameters in, ``AuditFilters`` (the CLI's too) out.
 
 The page shows rejected intents unless asked otherwise (``?decision=all``
 shows everything); every other filter means what the same ``toolguard audit``
@@ -18,8 +18,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from urllib.parse import quote_plus, urlencode
 
-from toolguard.cli._common import parse_moment
-from toolguard.cli.audit import DECISIONS, AuditFilters
+from toolguard.store.audit_view import DECISIONS, AuditFilters, parse_moment
 
 __all__ = ["DEFAULT_DECISION", "DEFAULT_LIMIT", "MAX_LIMIT", "MAX_QUERY_BYTES", "MAX_VALUES",
            "MAX_VALUES_PER_FILTER", "PARAMS", "PageFilters", "parse_filters"]

@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from toolguard.cli.audit import REASONS, _when, _why
-from toolguard.decision import recorded_model_text
+from toolguard.call.decision import recorded_model_text
 from toolguard.store import AuditEntry
+from toolguard.store.audit_view import REASONS, _when, _why
 
 __all__ = ["TAB_ORDER", "ModelMessage", "decision_counts", "meaning", "model_message", "pretty",
            "when", "why"]

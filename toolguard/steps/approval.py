@@ -37,6 +37,15 @@ request made in another workflow (it was asked, if at all, in another task).
 
 In ``mode: shadow`` no request is made and nobody is asked: a call that
 would need approval is recorded as the would-be refusal ``approval_required``.
+
+The decision is this module's: whether the call waits for a person (the
+policy's condition, shadow mode, a guard with no store), what the guard
+answers (nothing to wait for, the binding approval, the refusal, or a pause
+for a person), which answer is whose, and that a request is audited once.
+The book (``toolguard.controls.approvals``) keeps the records; the step asks it, in
+order, for the intent's request (``requested``), what that record means for
+this intent now (``binding``) and, once a person answered, to record the
+answer (``answered``; ``apply`` for a sibling's request, ``get`` to read one).
 """
 
 from __future__ import annotations
@@ -46,7 +55,8 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from toolguard.approvals import (
+from toolguard.call.facts import CallFacts
+from toolguard.controls.approvals import (
     ApprovalBook,
     ApprovalRecord,
     Approved,
@@ -54,11 +64,10 @@ from toolguard.approvals import (
     InvalidResume,
     Resume,
     approval_reason,
-    bind,
     parse_resume,
     request_refusal,
 )
-from toolguard.cancellation import finish
+from toolguard.controls.shadow import Enforcement
 from toolguard.errors import (
     ApprovalRequired,
     GuardMisconfigured,
@@ -66,8 +75,7 @@ from toolguard.errors import (
     UnknownApproval,
     is_control_flow,
 )
-from toolguard.facts import CallFacts
-from toolguard.shadow import Enforcement
+from toolguard.runtime.cancellation import finish
 from toolguard.steps.prepared import Prepared
 
 __all__ = ["Interrupt", "aapprove", "approve", "is_pending"]
@@ -157,9 +165,7 @@ def _ask(book: ApprovalBook, interrupt: Interrupt, asked: ApprovalRequired, fact
             return _mine(resume, asked)
         if whose == "theirs" and other is not None:
             with contextlib.suppress(IntentRejected, UnknownApproval):  # its own call will say
-                resume.check_tool(other)
-                book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
-                            args=resume.args)
+                book.apply(other, resume)
     raise _too_many(asked)
 
 
@@ -175,9 +181,7 @@ async def _aask(book: AsyncApprovalBook, interrupt: Interrupt, asked: ApprovalRe
             return _mine(resume, asked)
         if whose == "theirs" and other is not None:
             with contextlib.suppress(IntentRejected, UnknownApproval):
-                resume.check_tool(other)
-                await book.decide(other.id, resume.decision, by=resume.by, note=resume.note,
-                                  args=resume.args)
+                await book.apply(other, resume)
     raise _too_many(asked)
 
 
@@ -242,17 +246,16 @@ def approve(book: ApprovalBook | None, prepared: Prepared, facts: CallFacts,
     why = _why(book, prepared, facts, enforcement)
     if why is None or book is None or rule.approval is None:
         return None
-    record = book.find(facts.tool, facts.idempotency_key)
-    if record is None:
-        record, made = book.made(facts, why, rule.approval.expires)
-        if made and interrupt is not None and on_request is not None:
-            on_request(request_refusal(record))  # audited once, when made: a re-run finds it
+    record, made = book.requested(facts, why, rule.approval.expires)
+    if made and interrupt is not None and on_request is not None:
+        on_request(request_refusal(record))  # audited once, when made: a re-run finds it
     try:
-        approved = bind(record, facts, book.clock())
+        approved = book.binding(record, facts)
     except ApprovalRequired as asked:
         if interrupt is None:
             raise
-        return book.check(rule, facts, resume=_ask(book, interrupt, asked, facts, call_id))
+        resume = _ask(book, interrupt, asked, facts, call_id)
+        return book.binding(book.answered(facts, resume), facts)
     if interrupt is not None and record.workflow == facts.workflow and _resumed(interrupt):
         _reread(book, interrupt, record, facts, call_id)
     return approved
@@ -272,10 +275,7 @@ async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: Ca
 
     async def requested() -> ApprovalRecord:
         """Find or make the request and, when it is made here, audit it: never one without the other."""
-        record = await book.find(facts.tool, facts.idempotency_key)
-        if record is not None:
-            return record
-        record, made = await book.made(facts, why, expires)
+        record, made = await book.requested(facts, why, expires)
         if made and interrupt is not None and on_request is not None:
             await on_request(request_refusal(record))
         return record
@@ -283,12 +283,12 @@ async def aapprove(book: AsyncApprovalBook | None, prepared: Prepared, facts: Ca
     # a sibling's interrupt cancels this task mid-step (asyncio.gather): finish the pair anyway
     record = await finish(requested())
     try:
-        approved = bind(record, facts, book.clock())
+        approved = book.binding(record, facts)
     except ApprovalRequired as asked:
         if interrupt is None:
             raise
-        return await book.check(rule, facts,
-                                resume=await _aask(book, interrupt, asked, facts, call_id))
+        resume = await _aask(book, interrupt, asked, facts, call_id)
+        return book.binding(await book.answered(facts, resume), facts)
     if interrupt is not None and record.workflow == facts.workflow and _resumed(interrupt):
         await _areread(book, interrupt, record, facts, call_id)
     return approved

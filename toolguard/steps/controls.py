@@ -14,11 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from toolguard.approvals import ApprovalBook, AsyncApprovalBook
-from toolguard.errors import ConfigurationError, GuardMisconfigured
-from toolguard.pause import AsyncPauseBoard, PauseBoard
-from toolguard.policies import Policy
-from toolguard.quotas import (
+from toolguard.controls.approvals import ApprovalBook, AsyncApprovalBook
+from toolguard.controls.pause import AsyncPauseBoard, PauseBoard
+from toolguard.controls.quotas import (
     AsyncQuotaBackend,
     AsyncQuotas,
     QuotaBackend,
@@ -26,6 +24,8 @@ from toolguard.quotas import (
     async_quota_backend,
     quota_backend,
 )
+from toolguard.errors import ConfigurationError, GuardMisconfigured
+from toolguard.policies import Policy
 from toolguard.store import AsyncGuardedStore, GuardedStore
 
 __all__ = ["Controls", "needs_approvals", "needs_quotas"]

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from toolguard import telemetry
-from toolguard.context import CallContext, bind
-from toolguard.decision import Decision, ToolFailed
+from toolguard.call.context import CallContext, bind
+from toolguard.call.decision import Decision, ToolFailed
+from toolguard.call.intent import Intent
 from toolguard.errors import ToolGuardError, is_control_flow
-from toolguard.intent import Intent
 from toolguard.policies.redaction import scrub, scrub_text
+from toolguard.runtime import telemetry
 from toolguard.steps.prepared import Prepared, accepted
 from toolguard.store.base import AsyncFencedTransaction, FencedTransaction
 from toolguard.store.recovery import Outcome

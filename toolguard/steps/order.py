@@ -11,8 +11,8 @@ import asyncio
 import time
 from collections.abc import Iterator
 
-from toolguard import telemetry
 from toolguard.errors import OutOfOrder
+from toolguard.runtime import telemetry
 from toolguard.steps.prepared import Prepared
 from toolguard.store import AsyncGuardedStore, GuardedStore
 

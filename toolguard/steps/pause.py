@@ -10,10 +10,10 @@ everything still stops it. Never shadowed.
 
 from __future__ import annotations
 
+from toolguard.call.intent import Intent
+from toolguard.controls.pause import AsyncPauseBoard, PauseBoard, PauseSet
 from toolguard.errors import BackendUnavailable, ToolGuardError
-from toolguard.intent import Intent
-from toolguard.pause import AsyncPauseBoard, PauseBoard, PauseSet
-from toolguard.safe_text import text_of
+from toolguard.runtime.safe_text import text_of
 
 __all__ = ["acheck_pause", "check_pause"]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from toolguard.decision import Decision
-from toolguard.intent import Intent
+from toolguard.call.decision import Decision
+from toolguard.call.intent import Intent
 from toolguard.policies import ToolPolicy
 from toolguard.policies.redaction import Secrets
 from toolguard.store.base import IntentRecord

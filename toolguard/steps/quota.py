@@ -32,12 +32,12 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from toolguard._rows import arows, rows
-from toolguard.cancellation import finish
+from toolguard.call.facts import CallFacts
+from toolguard.controls._rows import arows, rows
+from toolguard.controls.quotas import Admission, AsyncAdmission, AsyncQuotas, Quotas
+from toolguard.controls.shadow import Enforcement
 from toolguard.errors import GuardMisconfigured, QuotaExceeded, is_control_flow
-from toolguard.facts import CallFacts
-from toolguard.quotas import Admission, AsyncAdmission, AsyncQuotas, Quotas
-from toolguard.shadow import Enforcement
+from toolguard.runtime.cancellation import finish
 from toolguard.steps.prepared import Prepared
 from toolguard.store.base import AsyncGuardedStore, GuardedStore
 

@@ -9,10 +9,10 @@ refusal of a step that is never shadowed.
 
 from __future__ import annotations
 
-from toolguard.decision import Decision
-from toolguard.intent import Intent
-from toolguard.recording import audit_entry
-from toolguard.shadow import Enforcement
+from toolguard.call.decision import Decision
+from toolguard.call.intent import Intent
+from toolguard.call.recording import audit_entry
+from toolguard.controls.shadow import Enforcement
 from toolguard.steps.prepared import Prepared
 from toolguard.store.base import AuditEntry
 

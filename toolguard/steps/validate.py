@@ -18,10 +18,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from toolguard.envelope import envelope_problem
+from toolguard.call.envelope import envelope_problem
+from toolguard.call.facts import CallFacts
+from toolguard.call.intent import Intent, args_hash, bounded_key, check_limits, json_args
+from toolguard.call.recording import storable, storable_text
+from toolguard.controls.shadow import Enforcement, lookup_in_mode, mode_of
 from toolguard.errors import IntentRejected, InvalidArguments, InvalidIntent
-from toolguard.facts import CallFacts
-from toolguard.intent import Intent, args_hash, bounded_key, check_limits, json_args
 from toolguard.policies import (
     Policy,
     authorize,
@@ -33,8 +35,6 @@ from toolguard.policies import (
     validate_args,
 )
 from toolguard.policies.redaction import scrub, secrets_of
-from toolguard.recording import storable, storable_text
-from toolguard.shadow import Enforcement, lookup_in_mode, mode_of
 from toolguard.steps.prepared import Prepared
 from toolguard.store.base import IntentRecord
 

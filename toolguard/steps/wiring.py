@@ -41,10 +41,10 @@ SLOTS: dict[str, Slot] = {slot.name: slot for slot in (
          "async_store"),
     Slot("async_store", "asyncio",
          "an AsyncGuardedStore (toolguard.store.open_async_store(...))", "audit", "store"),
-    Slot("quotas", "sync", "a sync quota backend (toolguard.quotas.quota_backend(...)) or a "
+    Slot("quotas", "sync", "a sync quota backend (toolguard.controls.quotas.quota_backend(...)) or a "
          "Redis URL", "admit", "async_quotas", urls=True),
     Slot("async_quotas", "asyncio", "an asyncio quota backend "
-         "(toolguard.quotas.async_quota_backend(...)) or a Redis URL", "admit", "quotas",
+         "(toolguard.controls.quotas.async_quota_backend(...)) or a Redis URL", "admit", "quotas",
          urls=True),
     Slot("approvals", "sync", "an ApprovalBook on a sync store", "check", "async_approvals"),
     Slot("async_approvals", "asyncio", "an AsyncApprovalBook on an asyncio store", "check",

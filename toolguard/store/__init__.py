@@ -104,7 +104,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from toolguard.errors import ConfigurationError
-from toolguard.extras import require
+from toolguard.runtime.extras import require
 from toolguard.store.autoseal import AutoSeal
 from toolguard.store.base import (
     DECISIONS,

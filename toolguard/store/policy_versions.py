@@ -26,8 +26,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from toolguard.call.intent import canonical_json
 from toolguard.errors import PolicyProblems, ToolGuardError
-from toolguard.intent import canonical_json
 from toolguard.policies import Policy
 
 __all__ = ["PolicyRecorder", "PolicyText", "arecord_policy_text", "policy_from_texts",

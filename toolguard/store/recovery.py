@@ -58,10 +58,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from toolguard import telemetry
-from toolguard.cancellation import finish
 from toolguard.errors import BackendUnavailable, DuplicateIntent, StaleFencingToken, ToolGuardError
 from toolguard.locks.base import canonical_keys
+from toolguard.runtime import telemetry
+from toolguard.runtime.cancellation import finish
 from toolguard.store.base import (
     AsyncFencedTransaction,
     AsyncGuardedStore,

@@ -24,6 +24,13 @@ write lock until the busy timeout and fails with ``BackendUnavailable``.
 The asyncio twin runs each step in a worker thread; a fenced write keeps one
 connection and one worker thread for its whole life, so its statements run in
 order even when the awaiting task is cancelled.
+
+This module holds the two stores and the install's script splitting, and
+re-exports the names other code imports; beside it, one responsibility each:
+the statements and the audit rows' text forms (``sqlite_sql``), the
+connections to the file and what sqlite3's errors become
+(``sqlite_connections``), and the fenced transaction's I/O, sync and on a
+worker thread (``sqlite_session``).
 """
 
 from __future__ import annotations
@@ -31,35 +38,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import os
 import sqlite3
-import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, Final, ParamSpec, TypeVar
+from datetime import datetime
+from typing import Any, ParamSpec, TypeVar
 
-from toolguard.cancellation import finish
-from toolguard.errors import (
-    AuditAppendOnly,
-    BackendUnavailable,
-    ConfigurationError,
-    DuplicateIntent,
-    IdempotencyConflict,
-    StaleFencingToken,
-    StoreError,
-    ToolGuardError,
-)
+from toolguard.errors import ConfigurationError, StoreError
 from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSeal, AutoSealer
 from toolguard.store.base import (
-    AUDIT_COLUMNS,
-    AUDIT_SELECT,
-    POLICY_VERSION_MAX,
     AsyncFencedTransaction,
     AuditEntry,
     AuditQuery,
@@ -75,19 +64,11 @@ from toolguard.store.base import (
     dump_json,
     effective_version,
     fenced_flow,
-    finite_ms,
     migrations,
     pending_migrations,
     qmark,
-    schema_missing,
 )
-from toolguard.store.chain import (
-    CANONICAL_FIELDS,
-    AuditVerification,
-    ExportResult,
-    SealResult,
-    sqlite_row_hash,
-)
+from toolguard.store.chain import AuditVerification, ExportResult, SealResult
 from toolguard.store.sealing import (
     MAX_SEAL_ROWS,
     check_anchors,
@@ -96,390 +77,44 @@ from toolguard.store.sealing import (
     sqlite_verify,
 )
 
+# The store is split by responsibility; every name other code imports from this module
+# stays importable here (``X as X``: an explicit re-export).
+from toolguard.store.sqlite_connections import _Connections, _raise_translated
+from toolguard.store.sqlite_connections import translate as translate
+from toolguard.store.sqlite_session import Fetched as Fetched
+from toolguard.store.sqlite_session import (
+    _AsyncSession,
+    _conflict,
+    _give_taken,
+    _given_back,
+    _Session,
+    _Worker,
+)
+from toolguard.store.sqlite_sql import APPLY as APPLY
+from toolguard.store.sqlite_sql import AUDIT_INSERT as AUDIT_INSERT
+from toolguard.store.sqlite_sql import AUDIT_QUERY as AUDIT_QUERY
+from toolguard.store.sqlite_sql import COUNT_ATTEMPT as COUNT_ATTEMPT
+from toolguard.store.sqlite_sql import DIALECT as DIALECT
+from toolguard.store.sqlite_sql import FAIL_INTENT as FAIL_INTENT
+from toolguard.store.sqlite_sql import FENCE as FENCE
+from toolguard.store.sqlite_sql import HAS_APPLIED as HAS_APPLIED
+from toolguard.store.sqlite_sql import INSTALLED as INSTALLED
+from toolguard.store.sqlite_sql import INTENT_ROW as INTENT_ROW
+from toolguard.store.sqlite_sql import MARK_UNKNOWN as MARK_UNKNOWN
+from toolguard.store.sqlite_sql import MARK_UNKNOWN_UPSERT as MARK_UNKNOWN_UPSERT
+from toolguard.store.sqlite_sql import NEW_INTENT as NEW_INTENT
+from toolguard.store.sqlite_sql import NOW as NOW
+from toolguard.store.sqlite_sql import RETRY_INTENT as RETRY_INTENT
+from toolguard.store.sqlite_sql import ROW_HASH_FUNCTION as ROW_HASH_FUNCTION
+from toolguard.store.sqlite_sql import VERSION_TABLE as VERSION_TABLE
+from toolguard.store.sqlite_sql import _entry, _iso, _lenient_text, _loads
+
 __all__ = ["AsyncSqliteStore", "SqliteStore"]
 
 log = logging.getLogger("toolguard.store")
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-DIALECT: Final = "sqlite"
-NOW = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
-ROW_HASH_FUNCTION = "toolguard_audit_row_hash"
-
-VERSION_TABLE = f"""
-CREATE TABLE IF NOT EXISTS toolguard_schema_version (
-    version INTEGER PRIMARY KEY, name TEXT NOT NULL,
-    installed_at TEXT NOT NULL DEFAULT ({NOW}))"""
-INSTALLED = "SELECT version FROM toolguard_schema_version"
-FENCE = (f"INSERT INTO toolguard_high_water (key, token) VALUES (?, ?) ON CONFLICT (key) "
-         f"DO UPDATE SET token = excluded.token, updated_at = {NOW} "
-         f"WHERE toolguard_high_water.token <= excluded.token RETURNING token")
-INTENT_ROW = ("SELECT tool, args_hash, status, attempts, result FROM toolguard_intent "
-              "WHERE idempotency_key = ?")
-NEW_INTENT = ("INSERT INTO toolguard_intent (idempotency_key, tool, agent, workflow, keys, args_hash) "
-              "VALUES (?, ?, ?, ?, ?, ?)")
-RETRY_INTENT = (f"UPDATE toolguard_intent SET status = 'pending', attempts = attempts + 1, "
-                f"updated_at = {NOW} WHERE idempotency_key = ?")
-APPLY = (f"UPDATE toolguard_intent SET status = 'applied', result = ?, tokens = ?, last_error = NULL, "
-         f"applied_at = {NOW}, updated_at = {NOW} WHERE idempotency_key = ? AND status <> 'applied'")
-#: An attempt that reaches the fenced transaction on a failed/unknown intent is counted there
-#: (only if it commits; a failed one is counted by ``FAIL_INTENT``).
-COUNT_ATTEMPT = (f"UPDATE toolguard_intent SET attempts = attempts + 1, updated_at = {NOW} "
-                 f"WHERE idempotency_key = ?")
-# The failed attempt's own row may have been rolled back with it: upsert, never touching an
-# applied row or another request's (other tool or args); count an attempt not counted yet.
-FAIL_INTENT = (
-    "INSERT INTO toolguard_intent AS i (idempotency_key, tool, agent, workflow, keys, args_hash, "
-    "status, last_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-    f"ON CONFLICT (idempotency_key) DO UPDATE SET status = excluded.status, "
-    f"last_error = excluded.last_error, updated_at = {NOW}, "
-    f"attempts = i.attempts + (i.status <> 'pending') "
-    f"WHERE i.status <> 'applied' AND i.tool = excluded.tool AND i.args_hash = excluded.args_hash")
-#: The row's id and time are chosen in the statement (the next AUTOINCREMENT id, SQLite's
-#: clock), so that its hash can cover them: ``toolguard_audit_row_hash`` (registered on every
-#: connection, ``chain.sqlite_row_hash``) hashes the values as the columns will keep them.
-#: Writers hold the database's write lock, so the id cannot be taken by anyone else meanwhile.
-_NEXT_ID = ("max(coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'toolguard_audit'), 0), "
-            "coalesce((SELECT max(id) FROM toolguard_audit), 0)) + 1")
-_AUDIT_ROW = ", ".join(f"v.{c}" for c in ("id", "at", *AUDIT_COLUMNS))
-AUDIT_INSERT = (
-    f"INSERT INTO toolguard_audit (id, at, {', '.join(AUDIT_COLUMNS)}, row_hash) "
-    f"SELECT {_AUDIT_ROW}, {ROW_HASH_FUNCTION}({_AUDIT_ROW}) "
-    f"FROM (SELECT {_NEXT_ID} AS id, {NOW} AS at, "
-    f"{', '.join(f'? AS {c}' for c in AUDIT_COLUMNS)}) AS v RETURNING id, at")
-MARK_UNKNOWN = (f"UPDATE toolguard_intent SET status = 'unknown', updated_at = {NOW} "
-                f"WHERE idempotency_key = ? AND status <> 'applied'")
-MARK_UNKNOWN_UPSERT = (
-    "INSERT INTO toolguard_intent AS i (idempotency_key, tool, agent, workflow, keys, args_hash, "
-    "status) VALUES (?, ?, ?, ?, ?, ?, 'unknown') "
-    f"ON CONFLICT (idempotency_key) DO UPDATE SET status = 'unknown', updated_at = {NOW} "
-    f"WHERE i.status <> 'applied' AND i.tool = excluded.tool AND i.args_hash = excluded.args_hash")
-HAS_APPLIED = ("SELECT EXISTS (SELECT 1 FROM toolguard_intent WHERE status = 'applied' AND tool = ? "
-               "AND EXISTS (SELECT 1 FROM json_each(toolguard_intent.keys) WHERE json_each.value = ?) "
-               "AND (? IS NULL OR workflow = ?))")
-AUDIT_QUERY = f"SELECT {', '.join(AUDIT_SELECT)} FROM toolguard_audit"
-
-_APPEND_ONLY = " is append-only: "  # toolguard_audit, toolguard_audit_seal, ..._retention
-
-
-def translate(error: BaseException) -> BaseException:
-    """sqlite3 errors to toolguard's; anything else is returned unchanged."""
-    if not isinstance(error, sqlite3.Error):
-        return error
-    text = str(error)
-    if _APPEND_ONLY in text and text.startswith("toolguard_audit"):
-        return AuditAppendOnly(text)
-    if isinstance(error, sqlite3.OperationalError):
-        if "no such table: toolguard_" in text:
-            return schema_missing(error)
-        if "locked" in text or "busy" in text or "unable to open" in text or "disk I/O" in text:
-            return BackendUnavailable(f"sqlite: {text}")
-    return error
-
-
-def _raise_translated(error: BaseException) -> None:
-    mapped = translate(error)
-    if mapped is error:
-        raise error
-    raise mapped from error
-
-
-def _iso(moment: datetime) -> str:
-    """The ``at`` column's text form (UTC, milliseconds), so text order is time order."""
-    utc = moment.astimezone(UTC)
-    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-#: The audit columns the store writes as text (JSON columns included).
-_TEXT = ("at", "decision", "reason", "tool", "agent", "intent_id", "idempotency_key", "workflow",
-         "keys", "tokens", "args", "detail", "policy_version")
-
-
-def _entry(row: Sequence[Any]) -> AuditEntry:
-    values = dict(zip(AUDIT_SELECT, row, strict=True))
-    try:
-        if not all(values[name] is None or isinstance(values[name], str) for name in _TEXT):
-            raise TypeError("a text column holds another type")
-        values["at"] = datetime.fromisoformat(values["at"]) if values["at"] else None
-        values["keys"] = tuple(_loads(values["keys"]) or ())
-        values["tokens"] = {k: int(v) for k, v in (_loads(values["tokens"]) or {}).items()}
-        values["args"] = _loads(values["args"])
-        values["duration_ms"] = finite_ms(values["duration_ms"])
-        return AuditEntry(**values)
-    except (TypeError, ValueError, AttributeError, StoreError):
-        return _salvaged(dict(zip(AUDIT_SELECT, row, strict=True)))
-
-
-def _salvaged(values: dict[str, Any]) -> AuditEntry:
-    """A row no store writes (its file's owner, or another program, put other values in it),
-    read as far as it goes: what does not parse is shown as its text, or left out. Its row
-    hash no longer matches, so ``toolguard audit verify`` reports it."""
-    def text(value: Any) -> str | None:
-        if value is None or value == "":
-            return None
-        return value.hex() if isinstance(value, bytes) else str(value)
-
-    def loaded(value: Any) -> Any:
-        try:
-            return _loads(value)
-        except (TypeError, ValueError):
-            return text(value)
-
-    try:
-        at: datetime | None = datetime.fromisoformat(str(values["at"])) if values["at"] else None
-    except ValueError:
-        at = None
-    if at is not None and at.tzinfo is None:
-        at = at.replace(tzinfo=UTC)
-    keys = loaded(values["keys"])
-    tokens = loaded(values["tokens"])
-    try:
-        duration = finite_ms(values["duration_ms"])
-    except (TypeError, ValueError):
-        duration = None
-    node = values["node_attempt"]
-    version = text(values["policy_version"])
-    return AuditEntry(
-        id=values["id"] if isinstance(values["id"], int) else None, at=at,
-        decision=text(values["decision"]) or "?", reason=text(values["reason"]) or "?",
-        tool=text(values["tool"]), agent=text(values["agent"]),
-        intent_id=text(values["intent_id"]), idempotency_key=text(values["idempotency_key"]),
-        workflow=text(values["workflow"]),
-        keys=tuple(str(k) for k in keys) if isinstance(keys, list) else (),
-        tokens={str(k): v for k, v in tokens.items() if isinstance(v, int)}
-        if isinstance(tokens, dict) else {},
-        args=loaded(values["args"]), detail=text(values["detail"]), duration_ms=duration,
-        node_attempt=node if isinstance(node, int) and not isinstance(node, bool) else None,
-        policy_version=version if version and len(version) <= POLICY_VERSION_MAX else None)
-
-
-def _conflict(key: str, tool: str) -> IdempotencyConflict:
-    msg = f"idempotency key {key} was already used for {tool} with other arguments"
-    return IdempotencyConflict(msg)
-
-
-def _file_of(path: str) -> tuple[int, int] | None:
-    """The identity (device, inode) of the file at ``path``; None when there is none."""
-    if path == ":memory:":
-        return (0, 0)
-    try:
-        found = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return (found.st_dev, found.st_ino)
-
-
-def _lenient_text(raw: bytes) -> str:
-    return raw.decode("utf-8", "replace")
-
-
-class _Connections:
-    """A small thread-safe pool of autocommit connections to one file (per process).
-
-    A connection keeps the file it opened alive after the file is deleted or replaced:
-    writes through it would go where nobody looks again, and reads would find fences
-    the other processes no longer see. So a connection is used only while its file is
-    still the one at ``path`` (one ``stat`` per take and per give); otherwise it is
-    closed and a new one opened on the file now there. A store file deleted mid-run
-    thus shows as a store without its schema, a clear ``StoreError``, and nothing applies.
-    """
-
-    def __init__(self, path: str, busy_timeout_ms: int, synchronous: str) -> None:
-        self.path = path
-        self.busy_timeout_ms = busy_timeout_ms
-        self.synchronous = synchronous
-        self._idle: list[sqlite3.Connection] = []
-        self._files: dict[int, tuple[int, int] | None] = {}  # id(connection) -> its file
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def _open(self) -> sqlite3.Connection:
-        """A new connection; the file's folder is made here (first use, not construction:
-        the asyncio store is built in the caller's event loop, and opens in a worker thread)."""
-        if self.path != ":memory:":
-            try:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            except OSError as error:
-                msg = f"sqlite {self.path}: cannot create its directory: {error}"
-                raise BackendUnavailable(msg) from error
-        conn: sqlite3.Connection | None = None
-        try:
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000,
-                                   isolation_level=None, check_same_thread=False)
-            self._wal(conn)
-            conn.execute(f"PRAGMA synchronous={self.synchronous}")
-            conn.execute("PRAGMA foreign_keys=ON")
-            conn.create_function(ROW_HASH_FUNCTION, len(CANONICAL_FIELDS), sqlite_row_hash,
-                                 deterministic=True)
-        except sqlite3.Error as error:
-            if conn is not None:
-                conn.close()
-            msg = f"sqlite {self.path}: {error}"
-            raise BackendUnavailable(msg) from error
-        with self._lock:
-            self._files[id(conn)] = _file_of(self.path)
-        return conn
-
-    def _discard(self, conn: sqlite3.Connection) -> None:
-        with self._lock:
-            self._files.pop(id(conn), None)
-        with contextlib.suppress(sqlite3.Error):
-            conn.close()
-
-    def _wal(self, conn: sqlite3.Connection) -> None:
-        """Switch the file to WAL. Several processes opening a new file at once race for it:
-        the switch can fail with "database is locked" without waiting for the busy timeout,
-        so retry until that timeout."""
-        deadline = time.monotonic() + self.busy_timeout_ms / 1000
-        pause = 0.005
-        while True:
-            try:
-                conn.execute("PRAGMA journal_mode=WAL")
-                return
-            except sqlite3.OperationalError as error:
-                if "locked" not in str(error) or time.monotonic() >= deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
-
-    def take(self) -> sqlite3.Connection:
-        current = _file_of(self.path)
-        elsewhere: list[sqlite3.Connection] = []
-        found: sqlite3.Connection | None = None
-        with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's connections are not ours
-                self._idle, self._files, self._pid = [], {}, os.getpid()
-            while self._idle:
-                conn = self._idle.pop()
-                if current is not None and self._files.get(id(conn)) == current:
-                    found = conn
-                    break
-                elsewhere.append(conn)  # its file was deleted or replaced
-        for conn in elsewhere:
-            self._discard(conn)
-        return found if found is not None else self._open()
-
-    def give(self, conn: sqlite3.Connection) -> None:
-        if conn.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-        current = _file_of(self.path)
-        with self._lock:
-            if (self._pid == os.getpid() and current is not None
-                    and self._files.get(id(conn)) == current):
-                self._idle.append(conn)
-                return
-        self._discard(conn)
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            self._discard(conn)
-
-
-class _Session:
-    """The fenced flow's I/O on one connection (used from one thread at a time)."""
-
-    def __init__(self, store: SqliteStore, conn: sqlite3.Connection) -> None:
-        self.store = store
-        self.conn = conn
-        self.tx: FencedTransaction | AsyncFencedTransaction | None = None
-        #: The replay ``begin`` found: its fence advance is committed, not rolled back.
-        self.replay: DuplicateIntent | None = None
-
-    def execute(self, query: str, params: Any, counted: bool = False) -> sqlite3.Cursor | Fetched:
-        """One statement; ``counted``: its rows fetched at once, so that they can be counted
-        (sqlite3 counts neither a SELECT's rows nor ``RETURNING`` rows before they are read)."""
-        try:
-            conn = self.conn
-            cursor = conn.execute(query) if params is None else conn.execute(qmark(query), params)
-            return Fetched(cursor) if counted else cursor
-        except sqlite3.Error as error:
-            mapped = translate(error)
-            if mapped is error:
-                raise
-            if self.tx is not None and isinstance(mapped, ToolGuardError):
-                self.tx.failure = mapped
-            raise mapped from error
-
-    def begin(self, plan: FencePlan) -> None:
-        """BEGIN IMMEDIATE, every fence in sorted order, then the intent row."""
-        conn = self.conn
-        conn.execute("BEGIN IMMEDIATE")
-        for key in plan.keys:
-            token = plan.tokens[key]
-            if not conn.execute(FENCE, (key, token)).fetchall():
-                row = conn.execute("SELECT token FROM toolguard_high_water WHERE key = ?",
-                                   (key,)).fetchone()
-                current = int(row[0]) if row else None
-                msg = (f"stale fencing token {token} for key {key}: the store has already "
-                       f"seen {current}")
-                raise StaleFencingToken(msg, key=key, token=token, current=current)
-        intent = plan.intent
-        if intent is None or intent.idempotency_key is None:
-            return
-        row = conn.execute(INTENT_ROW, (intent.idempotency_key,)).fetchone()
-        if row is None:
-            conn.execute(NEW_INTENT, (intent.idempotency_key, intent.tool, intent.agent,
-                                      intent.workflow, dump_json(list(intent.keys or plan.keys)),
-                                      intent.args_hash))
-            return
-        tool, args_hash, status, _, result = row
-        if tool != intent.tool or args_hash != intent.args_hash:
-            raise _conflict(intent.idempotency_key, tool)
-        if status == "applied":
-            msg = (f"intent {intent.idempotency_key!r} was already applied; "
-                   f"returning its recorded result")
-            self.replay = DuplicateIntent(msg, result=_loads(result))
-            raise self.replay
-        if status != "pending":  # reconciling a failed/unknown attempt ('pending': begin_intent counted it)
-            conn.execute(COUNT_ATTEMPT, (intent.idempotency_key,))
-
-    def enter(self, plan: FencePlan) -> FencedTransaction:
-        self.begin(plan)
-        tx = FencedTransaction(self.conn, plan, DIALECT, self.execute)
-        self.tx = tx
-        return tx
-
-    def commit(self, tx: FencedTransaction | AsyncFencedTransaction, entry: AuditEntry) -> None:
-        if tx.failure is not None:
-            raise tx.failure
-        if not self.conn.in_transaction:
-            msg = ("the fenced transaction was ended inside fenced() (a COMMIT or ROLLBACK by "
-                   "the tool); the tool must never end it itself")
-            raise StoreError(msg, reason="transaction_ended")
-        key = tx.intent.idempotency_key if tx.intent else None
-        if key is not None:
-            self.conn.execute(APPLY, (tx.result_json, tx.tokens_json, key))
-        self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
-        self.conn.execute("COMMIT")
-        self.store.sealer.wrote()
-
-    def finish(self, tx: FencedTransaction, entry: AuditEntry) -> None:
-        self.commit(tx, entry)
-
-    def abort(self, error: BaseException) -> BaseException:
-        """End the failed transaction: a replay commits its fence advance (the store has
-        seen its tokens and must refuse lower ones), anything else rolls back."""
-        if self.conn.in_transaction and error is self.replay:
-            try:
-                self.conn.execute("COMMIT")
-            except sqlite3.Error as commit_error:  # the replay stands; the marks stay as they were
-                log.warning("could not commit a replay's fence advance: %s", commit_error)
-        if self.conn.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                self.conn.execute("ROLLBACK")
-        return translate(error)
-
-    def record_failure(self, plan: FencePlan, entry: AuditEntry,
-                       status: IntentStatus | None) -> None:
-        self.store._record_failure(self.conn, plan, entry, status)
 
 
 class SqliteStore:
@@ -723,142 +358,6 @@ def _statements(script: str) -> Iterator[str]:
 
 
 # --- asyncio ------------------------------------------------------------------------------------
-
-
-class _Worker:
-    """One thread running one connection's steps in order (a fenced write's whole life)."""
-
-    def __init__(self) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolguard-sqlite")
-
-    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False)
-
-
-async def _given_back(worker: _Worker, give: Callable[P, None], *args: P.args,
-                      **kwargs: P.kwargs) -> None:
-    """Run ``give`` on the session's worker thread (after its last statement) to its end,
-    whatever cancellation arrives meanwhile; then the worker stops."""
-    try:
-        await finish(asyncio.wrap_future(worker.executor.submit(give, *args, **kwargs)))
-    finally:
-        worker.close()
-
-
-def _give_taken(connections: _Connections, taking: Future[sqlite3.Connection]) -> None:
-    """Give back the connection ``taking`` took (run after it on the same worker thread)."""
-    if not taking.cancelled() and taking.exception() is None:
-        connections.give(taking.result())
-
-
-class _RowsBase:
-    """A statement's rows, all fetched at once; ``matched`` counts them (or the rows changed)."""
-
-    def __init__(self, cursor: sqlite3.Cursor) -> None:
-        self.description = cursor.description
-        self._rows = cursor.fetchall() if cursor.description else []
-        self.rowcount = cursor.rowcount  # read after the fetch: RETURNING rows count only then
-        self.lastrowid = cursor.lastrowid
-        self.matched = len(self._rows) if cursor.description else cursor.rowcount
-        self._at = 0
-
-    def _one(self) -> Any:
-        if self._at >= len(self._rows):
-            return None
-        self._at += 1
-        return self._rows[self._at - 1]
-
-    def _all(self) -> list[Any]:
-        rows, self._at = self._rows[self._at:], len(self._rows)
-        return rows
-
-    def _many(self, size: int) -> list[Any]:
-        rows = self._rows[self._at:self._at + size]
-        self._at += len(rows)
-        return rows
-
-
-class Fetched(_RowsBase):
-    """A sync cursor over rows already fetched (``tx.execute(..., expect_rows=n)``)."""
-
-    def fetchone(self) -> Any:
-        return self._one()
-
-    def fetchall(self) -> list[Any]:
-        return self._all()
-
-    def fetchmany(self, size: int = 1) -> list[Any]:
-        return self._many(size)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._all())
-
-
-class _Rows(_RowsBase):
-    """An async cursor over rows already fetched in the worker thread."""
-
-    async def fetchone(self) -> Any:
-        return self._one()
-
-    async def fetchall(self) -> list[Any]:
-        return self._all()
-
-    async def fetchmany(self, size: int = 1) -> list[Any]:
-        return self._many(size)
-
-
-class _AsyncSession:
-    """The sync session's steps, each run on the write's own worker thread."""
-
-    def __init__(self, sync: _Session, worker: _Worker) -> None:
-        self.sync = sync
-        self.worker = worker
-        self.committed = False
-
-    def _execute_rows(self, query: str, params: Any) -> _Rows:
-        cursor = self.sync.execute(query, params)
-        assert isinstance(cursor, sqlite3.Cursor)
-        return _Rows(cursor)
-
-    async def _execute(self, query: str, params: Any, counted: bool = False) -> _Rows:
-        # Always counted: every row is fetched in the worker thread anyway.
-        return await self.worker.run(self._execute_rows, query, params)
-
-    async def enter(self, plan: FencePlan) -> AsyncFencedTransaction:
-        await self.worker.run(self.sync.begin, plan)
-        tx = AsyncFencedTransaction(self.sync.conn, plan, DIALECT, self._execute)
-        self.sync.tx = tx
-        return tx
-
-    async def finish(self, tx: AsyncFencedTransaction, entry: AuditEntry) -> None:
-        # A commit the caller stops waiting for still lands: its end is awaited, so that
-        # a cancellation after it is not recorded as a failure next to its ``accepted`` row.
-        committing = asyncio.ensure_future(self.worker.run(self.sync.commit, tx, entry))
-        cancelled: asyncio.CancelledError | None = None
-        while not committing.done():
-            try:
-                await asyncio.wait({committing})
-            except asyncio.CancelledError as error:
-                cancelled = cancelled or error
-        committing.result()  # a failed commit is a failure, cancelled or not
-        self.committed = True
-        if cancelled is not None:
-            raise cancelled
-
-    async def abort(self, error: BaseException) -> BaseException:
-        if self.committed:  # cancelled after the commit: nothing to end
-            return error
-        return await finish(self.worker.run(self.sync.abort, error))
-
-    async def record_failure(self, plan: FencePlan, entry: AuditEntry,
-                             status: IntentStatus | None) -> None:
-        if self.committed:  # applied and audited ``accepted`` already
-            return
-        await finish(self.worker.run(self.sync.record_failure, plan, entry, status))
 
 
 class AsyncSqliteStore:
