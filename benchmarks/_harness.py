@@ -19,9 +19,9 @@ LEADS = 1_000
 AGENTS = 8
 
 
-def lead_schema_pool(database_url: str, schema: str) -> Any:
+def lead_schema_pool(database_url: str, schema: str, size: int = AGENTS + 4) -> Any:
     """A new schema holding the ``lead`` table (``LEADS`` rows at score 0), and a pool of
-    ``AGENTS + 4`` autocommit connections whose search_path is that schema."""
+    ``size`` autocommit connections whose search_path is that schema."""
     import psycopg
     from psycopg import sql
     from psycopg_pool import ConnectionPool
@@ -37,7 +37,6 @@ def lead_schema_pool(database_url: str, schema: str) -> Any:
     def configure(conn: psycopg.Connection[Any]) -> None:
         conn.execute(path)
 
-    size = AGENTS + 4
     pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
         database_url, min_size=size, max_size=size, kwargs={"autocommit": True},
         configure=configure, open=True)
