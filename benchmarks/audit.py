@@ -36,7 +36,6 @@ dropped at the end. Always exits 0: a miss is a finding, not a crash.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -49,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import Load, throughput
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize
-from guard import DEFAULT_DATABASE, DEFAULT_REDIS, Setup
+from guard import Setup, server_arguments
 
 TRIGGER = "toolguard_audit_row_hash"
 
@@ -151,10 +150,7 @@ def run_variant(setup: Setup, name: str, call: Callable[[str], None], seconds: f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--redis-url", default=os.environ.get("TOOLGUARD_BENCH_REDIS_URL",
-                                                              DEFAULT_REDIS))
-    parser.add_argument("--database-url", default=os.environ.get("TOOLGUARD_BENCH_DATABASE_URL",
-                                                                 DEFAULT_DATABASE))
+    server_arguments(parser)
     parser.add_argument("--threads", type=int, default=8, help="agents (threads), default 8")
     parser.add_argument("--seconds", type=float, default=None,
                         help="seconds per variant and workload in all, split over the rounds "

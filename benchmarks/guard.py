@@ -283,13 +283,18 @@ def profile(setup: Setup, calls: int, top: int = 25) -> str:
 # --- main -------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def server_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--redis-url`` and ``--database-url``, defaulting to the environment, then loopback."""
     parser.add_argument("--redis-url", default=os.environ.get("TOOLGUARD_BENCH_REDIS_URL",
                                                               DEFAULT_REDIS))
     parser.add_argument("--database-url", default=os.environ.get("TOOLGUARD_BENCH_DATABASE_URL",
                                                                  DEFAULT_DATABASE))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    server_arguments(parser)
     parser.add_argument("--seconds", type=float, default=None,
                         help="length of each measured phase (default 12, --quick 2)")
     parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")

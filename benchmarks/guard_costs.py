@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import uuid
 from collections.abc import Callable
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import AGENTS, latency, throughput_rounds
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize
-from guard import DEFAULT_DATABASE, DEFAULT_REDIS, Setup
+from guard import Setup, server_arguments
 
 #: (variant, statements that take its piece away; {s} is the variant's schema).
 VARIANTS: list[tuple[str, list[str]]] = [
@@ -71,10 +70,7 @@ def strip(database_url: str, schema: str, statements: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--redis-url", default=os.environ.get("TOOLGUARD_BENCH_REDIS_URL",
-                                                              DEFAULT_REDIS))
-    parser.add_argument("--database-url", default=os.environ.get("TOOLGUARD_BENCH_DATABASE_URL",
-                                                                 DEFAULT_DATABASE))
+    server_arguments(parser)
     parser.add_argument("--seconds", type=float, default=None,
                         help="length of each measured phase (default 24, --quick 4)")
     parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
