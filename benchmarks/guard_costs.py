@@ -26,15 +26,24 @@ audit row; the ones without a piece lose what that piece gives (a query that
 becomes a scan, or an unverifiable row), so they are never a configuration,
 only a measurement. One thread, interleaved rounds (p50 / p99), then 8
 threads in interleaved segments (calls/s); each against the full schema and
-against (d2). Everything lives in the run's own schemas and key prefix,
-dropped at the end. Always exits 0.
+against (d2).
+
+3. Then the server's side statement by statement, on the full schema: each
+   statement of the fenced transaction (toolguard's and the expert's) sent on
+   its own, timed from the client, p50 net of a ``SELECT 1`` round trip
+   measured in the same loop.
+
+Everything lives in the run's own schemas and key prefix, dropped at the end.
+Always exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                           fmt_ratio(ratio(rates[name], rates["expert (d2)"])))
         table.print()
         check(setups)
+        per_statement(args.database_url, first, 300 if args.quick else 1_500, plain=args.plain)
     finally:
         for setup in setups.values():
             with contextlib.suppress(Exception):
@@ -140,6 +150,54 @@ def check(setups: dict[str, Setup]) -> None:
         ok = intents == audits and scores == intents + expert
         print(f"check {name}: {intents:,} applied intents, {audits:,} accepted audit rows, "
               f"lead scores sum {scores:,} ({'matches' if ok else 'MISMATCH'})")
+
+
+def per_statement(database_url: str, setup: Setup, calls: int, *, plain: bool) -> None:
+    """Each statement of a fenced transaction on its own, toolguard's and the expert's (the
+    same key and token), p50 net of a ``SELECT 1`` round trip timed in the same loop."""
+    import expert as x
+
+    from toolguard.store.postgres import APPLY, AUDIT_INSERT, ENTER
+
+    spent: dict[str, list[float]] = {}
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(setup.schema)))
+
+        def timed(name: str, query: str, params: object = None) -> None:
+            started = time.perf_counter()
+            conn.execute(query, params)  # type: ignore[call-overload]
+            spent.setdefault(name, []).append(time.perf_counter() - started)
+
+        for i in range(calls + 200):  # the first 200: warm-up, and each key's fence row made
+            key, token, call = f"probe:{i % 100}", i + 1, uuid.uuid4().hex
+            tokens, args = json.dumps({key: token}), json.dumps({"lead_id": key, "delta": 1})
+            timed("round trip (SELECT 1)", "SELECT 1")
+            timed("BEGIN", "BEGIN")
+            timed("toolguard: toolguard_enter (fence + intent row)", ENTER,
+                  ("{" + key + "}", "{" + str(token) + "}", call, "add_score", "scorer", "run",
+                   "0" * 64, "{" + key + "}"))
+            timed("toolguard: toolguard_record (the result)", APPLY, (call, "1", tokens))
+            timed("toolguard: audit INSERT (row-hash trigger)", AUDIT_INSERT,
+                  ("scorer", "add_score", call, call, "run", "accepted", "applied",
+                   "{" + key + "}", tokens, args, None, 1.5, None, "probe"))
+            timed("toolguard: COMMIT", "COMMIT")
+            conn.execute("BEGIN")
+            timed("expert: ENTER (fence upsert + intent insert)", x.ENTER,
+                  {"key": key, "token": token, "id": call})
+            timed("expert: FINISH (result + chain link + audit insert)", x.FINISH,
+                  {"result": "1", "id": call, "entry": x.entry_text("scorer", "add_score", key,
+                                                                    token, args),
+                   "key": key, "agent": "scorer", "tool": "add_score", "token": token,
+                   "args": args})
+            timed("expert: COMMIT", "COMMIT")
+    p50 = {name: summarize(values[200:]).p50 for name, values in spent.items()}
+    trip = p50["round trip (SELECT 1)"]
+    table = Table(f"3. the server's side, one statement at a time ({calls:,} each, full schema)",
+                  ["statement", "p50", "net of a round trip"], plain=plain)
+    for name, value in p50.items():
+        table.add_row(name, fmt_s(value), fmt_s(max(value - trip, 0.0)) if name != "round trip "
+                      "(SELECT 1)" else "-")
+    table.print()
 
 
 if __name__ == "__main__":
