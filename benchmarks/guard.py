@@ -39,7 +39,8 @@ score + %s WHERE id = %s RETURNING score``) in a table of 1,000 leads.
 2. Throughput, 8 threads (agents) over the 1,000 leads (each call picks a
    random lead, so two agents sometimes want the same lead), in interleaved
    segments: calls per second, p50/p99, against hand-written and bare.
-3. Where a guarded call's time goes, and client CPU per call of each.
+3. Where a guarded call's time goes: each step's wall time split into client CPU
+   and waiting (server and wire), and the same split for each reference.
 4. The targets: guarded p50 at most 1.10x the expert's (d) (one thread), and
    calls/s at least 0.90x (d)'s (8 threads); beside them the earlier ones against
    the plain hand-written lock (1.25x, 0.8x). All measured in this run.
@@ -421,22 +422,26 @@ def redis_postgres(args: argparse.Namespace, seconds: float, *, dbos: bool) -> N
         table.add_row("  of it outside the steps: validation, policy, recovery, audit entry",
                       "-", fmt_s(outside), fmt_s(outside), "-", f"{ratio(outside, whole):.0%}")
         table.add_row("whole guarded call", "3 PG + 2 Redis", fmt_s(whole), "-", "-", "100%")
+
         def reference(label: str, trips: str, p50: float, call_cpu: float) -> float:
+            """One reference's row, split the same way; its client CPU, for section 4."""
             table.add_row(label, trips, fmt_s(p50), fmt_s(call_cpu),
                           fmt_s(max(p50 - call_cpu, 0.0)), f"{ratio(p50, whole):.0%}")
             return call_cpu
 
-        hand_cpu = reference("hand-written: SET NX PX, BEGIN, UPDATE, COMMIT, EVALSHA", "3 PG + 2 Redis",
-                  hand.p50, summarize(cpu_per_call(setup.hand, 300, 8)).p50)
-        expert_cpu = reference("expert (d2): Lua lock+token, BEGIN+fence+intent, UPDATE, result+chain+"
-                  "audit+COMMIT, EVALSHA", "3 PG + 2 Redis", lat["expert (d2)"].p50,
-                  summarize(cpu_per_call(setup.expert.d2, 300, 9)).p50)
+        hand_cpu = reference("hand-written: SET NX PX, BEGIN, UPDATE, COMMIT, EVALSHA",
+                             "3 PG + 2 Redis", hand.p50,
+                             summarize(cpu_per_call(setup.hand, 300, 8)).p50)
+        expert_cpu = reference("expert (d2): Lua lock+token, BEGIN+fence+intent, UPDATE, "
+                               "result+chain+audit+COMMIT, EVALSHA", "3 PG + 2 Redis",
+                               lat["expert (d2)"].p50,
+                               summarize(cpu_per_call(setup.expert.d2, 300, 9)).p50)
         reference("bare: BEGIN, UPDATE, COMMIT", "3 PG", bare.p50,
                   summarize(cpu_per_call(setup.bare, 300, 6)).p50)
         if peer is not None:
             dbos_cpu = reference("dbos: workflow under the call id, one datasource transaction",
-                      "PG (DBOS's own)", lat["dbos"].p50,
-                      summarize(cpu_per_call(peer.call, 300, 10)).p50)
+                                 "PG (DBOS's own)", lat["dbos"].p50,
+                                 summarize(cpu_per_call(peer.call, 300, 10)).p50)
         table.print()
 
         p50_ratio = ratio(lat["guarded"].p50, hand.p50)
