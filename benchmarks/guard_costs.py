@@ -60,7 +60,7 @@ from guard import Setup, server_arguments
 #: (variant, statements that take its piece away; {s} is the variant's schema).
 VARIANTS: list[tuple[str, list[str]]] = [
     ("full", []),
-    ("- intent keys GIN", ["DROP INDEX {s}.toolguard_intent_applied_keys"]),
+    ("- intent keys GIN", ["DROP INDEX {s}.toolguard_intent_keys"]),
     ("- audit keys GIN", ["DROP INDEX {s}.toolguard_audit_keys"]),
     ("- audit btrees", ["DROP INDEX {s}.toolguard_audit_at", "DROP INDEX {s}.toolguard_audit_tool_at",
                         "DROP INDEX {s}.toolguard_audit_idempotency_key",

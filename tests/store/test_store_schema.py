@@ -18,6 +18,7 @@ from psycopg import sql
 from store.envs import StoreEnv, drop_schema, rows
 from toolguard.errors import AuditAppendOnly, RecordNotFound, StaleFencingToken
 from toolguard.store import AuditEntry, GuardedStore, Migration, latest_version, migrations, open_store
+from toolguard.store.postgres_sql import HAS_APPLIED
 
 SQL_DIR = resources.files("toolguard").joinpath("sql")
 
@@ -28,7 +29,7 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
                                       (3, "003_stale_blockers_exact_results"), (4, "004_controls"),
                                       (5, "005_tamper_evident_audit"), (6, "006_replay_keeps_intent"),
-                                      (7, "007_policy_versions")],
+                                      (7, "007_policy_versions"), (8, "008_hot_path")],
                        "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit"),
                                   (4, "004_policy_versions")]}
 
@@ -380,6 +381,66 @@ def test_pg_006_a_replay_leaves_the_applied_intent_row_alone(pg: psycopg.Connect
     with pg.transaction():  # reconciling an unknown attempt is still counted
         assert pg.execute(enter, (7, "h")).fetchone() == (False, 7)
     assert pg.execute("SELECT status, attempts FROM toolguard_intent").fetchone() == ("unknown", 2)
+
+
+def test_pg_008_enter_fences_one_key_itself_exactly_as_toolguard_fence(
+        pg: psycopg.Connection[Any]) -> None:
+    """Version 8: toolguard_enter's own one-key fence agrees with toolguard_fence on every
+    input (new key, equal token, advance, stale, invalid), on top of 007, installed twice."""
+    _install_files(pg, 7)
+    for _ in range(2):
+        with pg.transaction():
+            pg.execute(_sql_file("008_hot_path.sql"))
+    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (8,)
+    enter = ("SELECT * FROM toolguard_enter(%s::text[], %s::bigint[], %s, 'deposit', 'agent', "
+             "NULL, 'h')")
+    for key, token in (("new", 3), ("new", 3), ("new", 9)):  # created, equal, advanced
+        with pg.transaction():
+            assert pg.execute(enter, ([key], [token], f"i-{token}-{key}")).fetchone() == (
+                False, None)
+            published = pg.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = "
+                "pg_backend_pid() AND ((classid::bigint << 32) | objid::bigint) = "
+                "toolguard_token_lock(%s)", (token,)).fetchone()
+            assert published == (1,)  # the token is published while the transaction lasts
+    assert pg.execute("SELECT token FROM toolguard_high_water WHERE key = 'new'").fetchone() == (9,)
+    stale = _raises(pg, enter, (["new"], [8], "i-stale"))
+    assert stale.sqlstate == "TG001"
+    assert json.loads(stale.diag.message_detail or "") == {"key": "new", "token": 8, "current": 9}
+    for keys, tokens in (([""], [5]), (["k"], [0]), (["k"], [-1]), (["k"], [None]),
+                         ([None], [5]), ([], []), (["a", "b"], [1])):
+        assert _raises(pg, enter, (keys, tokens, "i-bad")).sqlstate == "TG002", (keys, tokens)
+    assert pg.execute("SELECT count(*) FROM toolguard_intent WHERE idempotency_key IN "
+                      "('i-stale', 'i-bad')").fetchone() == (0,)
+    with pg.transaction():  # several keys still go through toolguard_fence_all
+        assert pg.execute(enter, (["b", "a"], [4, 4], "i-two")).fetchone() == (False, None)
+    other = enter.replace("'h'", "'other'")
+    assert _raises(pg, other, (["new"], [10], "i-two")).sqlstate == "TG004"  # other arguments
+    with pg.transaction():  # the replay of an applied intent on the fast path
+        pg.execute("SELECT toolguard_record('i-9-new', '7', '{}')")
+    assert pg.execute(enter, (["new"], [11], "i-9-new")).fetchone() == (True, 7)
+
+
+def test_pg_008_recording_a_result_is_a_hot_update(pg: psycopg.Connection[Any]) -> None:
+    """The record changes no indexed column (the ordering index covers every intent), so its
+    row version stays on the page the insert used; the ordering query still finds the row."""
+    _install_files(pg, 8)
+    indexes = pg.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = "
+                         "'toolguard_intent' AND schemaname = current_schema() ORDER BY 1").fetchall()
+    assert [name for name, _ in indexes] == ["toolguard_intent_keys", "toolguard_intent_pkey"]
+    assert "WHERE" not in dict(indexes)["toolguard_intent_keys"]
+    enter = ("SELECT * FROM toolguard_enter(ARRAY['lead:1'], ARRAY[%s]::bigint[], %s, 't', "
+             "NULL, NULL, 'h')")
+    for n in range(1, 4):
+        with pg.transaction():  # the updates counted so far (not yet flushed): every one HOT
+            pg.execute(enter, (n, f"i{n}"))
+            pg.execute("SELECT toolguard_record(%s, '1', '{}')", (f"i{n}",))
+            updates = pg.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables "
+                                 "WHERE relid = 'toolguard_intent'::regclass").fetchone()
+        assert updates is not None and updates[0] >= 1 and updates[1] == updates[0], (n, updates)
+    applied = pg.execute(HAS_APPLIED, ("t", "lead:1", None, None)).fetchone()
+    assert applied == (True,)
+    assert pg.execute(HAS_APPLIED, ("other", "lead:1", None, None)).fetchone() == (False,)
 
 
 def test_pg_003_token_locks_are_tagged(pg: psycopg.Connection[Any]) -> None:
