@@ -59,6 +59,18 @@ CREATE INDEX IF NOT EXISTS tg_lock_waiter_order ON tg_lock_waiter (key, arrived_
 
 WAKE_SUPPORTED = sys.platform.startswith("linux")
 
+#: One read for ``try_acquire``: the key's holder (owner, token, expiry; NULLs when free), the
+#: first waiter still present, and whether any waiter is no longer present (to delete).
+_LOOK = """
+SELECT l.owner, l.token, l.expires_us,
+       (SELECT w.owner FROM tg_lock_waiter w WHERE w.key = ?1 AND w.present_until_us >= ?2
+        ORDER BY w.arrived_us, w.owner LIMIT 1),
+       EXISTS (SELECT 1 FROM tg_lock_waiter w WHERE w.key = ?1 AND w.present_until_us < ?2)
+FROM (SELECT 1) LEFT JOIN tg_lock l ON l.key = ?1"""
+#: The key's next token (the last one + 1, or the clock ``?2`` if that is ahead), stored.
+_MINT = ("INSERT INTO tg_lock_fence (key, token) VALUES (?1, ?2) ON CONFLICT (key) "
+         "DO UPDATE SET token = max(token + 1, excluded.token) RETURNING token")
+
 
 def _now_us() -> int:
     return time.time_ns() // 1000
@@ -198,38 +210,34 @@ class SqliteBackend:
 
     @staticmethod
     def _mint(db: sqlite3.Connection, key: str, now_us: int) -> int:
-        row = db.execute("SELECT token FROM tg_lock_fence WHERE key = ?", (key,)).fetchone()
-        token = max((row[0] if row else 0) + 1, now_us)
-        db.execute("INSERT INTO tg_lock_fence (key, token) VALUES (?, ?) "
-                   "ON CONFLICT (key) DO UPDATE SET token = excluded.token", (key, token))
-        return token
+        """The key's next token, stored: the last one + 1, or the clock if that is ahead."""
+        (token,) = db.execute(_MINT, (key, now_us)).fetchone()
+        return int(token)
 
     # --- the protocol ----------------------------------------------------------------
 
     def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
         with self._transaction() as db:
             now = _now_us()
-            row = db.execute("SELECT owner, token, expires_us FROM tg_lock WHERE key = ?",
-                             (key,)).fetchone()
-            if row and row[0] == owner and row[2] > now:  # ours already: extend it from now
+            holder, token, expires_us, head, expired = db.execute(_LOOK, (key, now)).fetchone()
+            if holder == owner and expires_us > now:  # ours already: extend it from now
                 db.execute("UPDATE tg_lock SET expires_us = ? WHERE key = ?",
                            (now + ttl_ms * 1000, key))
                 self._forget(owner, key)
-                return Attempt(token=row[1])
-            if row and row[2] > now:
-                return self._enqueue(db, key, owner, now, retry_us=row[2] - now)
-            db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND present_until_us < ?",
-                       (key, now))
-            head = db.execute("SELECT owner FROM tg_lock_waiter WHERE key = ? "
-                              "ORDER BY arrived_us, owner LIMIT 1", (key,)).fetchone()
-            if head and head[0] != owner:
+                return Attempt(token=token)
+            if holder is not None and expires_us > now:
+                return self._enqueue(db, key, owner, now, retry_us=expires_us - now)
+            if expired:
+                db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND present_until_us < ?",
+                           (key, now))
+            if head is not None and head != owner:
                 return self._enqueue(db, key, owner, now, retry_us=0)
             token = self._mint(db, key, now)
             db.execute("INSERT INTO tg_lock (key, owner, token, expires_us) VALUES (?, ?, ?, ?) "
                        "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, "
                        "token = excluded.token, expires_us = excluded.expires_us",
                        (key, owner, token, now + ttl_ms * 1000))
-            if head:
+            if head is not None:
                 db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, owner))
         self._forget(owner, key)
         return Attempt(token=token)
@@ -267,11 +275,14 @@ class SqliteBackend:
     def release(self, key: str, owner: str) -> bool:
         wake: tuple[str, int] | None = None
         with self._transaction() as db:
-            db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, owner))
+            now = _now_us()
+            # This owner's own place in the queue, and every waiter no longer present.
+            db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND (owner = ? OR "
+                       "present_until_us < ?)", (key, owner, now))
             held = db.execute("DELETE FROM tg_lock WHERE key = ? AND owner = ?",
                               (key, owner)).rowcount > 0
             if held:
-                wake = self._hand_off(db, key)
+                wake = self._hand_off(db, key, now)
         self._forget(owner, key)
         if wake is not None and wake[0]:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, \
@@ -279,9 +290,8 @@ class SqliteBackend:
                 sock.sendto(str(wake[1]).encode("ascii"), wake[0])
         return held
 
-    def _hand_off(self, db: sqlite3.Connection, key: str) -> tuple[str, int] | None:
-        now = _now_us()
-        db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND present_until_us < ?", (key, now))
+    def _hand_off(self, db: sqlite3.Connection, key: str, now: int) -> tuple[str, int] | None:
+        """Grant the key to the first waiter still present (the expired ones are gone)."""
         head = db.execute("SELECT owner, wake FROM tg_lock_waiter WHERE key = ? "
                           "ORDER BY arrived_us, owner LIMIT 1", (key,)).fetchone()
         if head is None:
