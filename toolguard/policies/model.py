@@ -60,6 +60,13 @@ Scalar = StrictStr | StrictInt | StrictFloat | StrictBool | None
 _NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,256}")
 
 
+def _private(model: BaseModel, name: str) -> Any:
+    """A private attribute's value, read from pydantic's own dict: ``model._x`` goes through
+    ``BaseModel.__getattr__`` (microseconds), and the guard reads these on every call."""
+    private = model.__pydantic_private__
+    return private[name] if private is not None else getattr(model, name)
+
+
 @dataclass(frozen=True, slots=True)
 class Location:
     """Where a policy value was written; ``line`` is 1-based."""
@@ -129,6 +136,7 @@ class ArgConstraint(BaseModel):
     max_items: NonNegativeInt | None = None
 
     _regex: re.Pattern[str] | None = PrivateAttr(default=None)
+    _kinds: frozenset[str] | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -175,11 +183,14 @@ class ArgConstraint(BaseModel):
     @property
     def regex(self) -> re.Pattern[str] | None:
         """``pattern`` compiled once."""
-        return self._regex
+        return _private(self, "_regex")
 
     @property
     def kinds(self) -> frozenset[str]:
         """Which kinds of value the constraint applies to: number, string, collection."""
+        known: frozenset[str] | None = _private(self, "_kinds")
+        if known is not None:
+            return known
         kinds = set()
         if any(v is not None for v in (self.ge, self.gt, self.le, self.lt)):
             kinds.add("number")
@@ -187,6 +198,7 @@ class ArgConstraint(BaseModel):
             kinds.add("string")
         if self.min_items is not None or self.max_items is not None:
             kinds.add("collection")
+        self.__pydantic_private__["_kinds"] = frozenset(kinds)  # type: ignore[index]
         return frozenset(kinds)
 
 
@@ -229,7 +241,8 @@ class ToolPolicy(BaseModel):
     @property
     def name(self) -> str:
         """The tool's name in its policy ("" for a rule built on its own)."""
-        return self._name
+        name: str = _private(self, "_name")
+        return name
 
     @field_validator("idempotency_key")
     @classmethod
@@ -372,15 +385,17 @@ class Policy(BaseModel):
         file names do not count, nor does a ``key_fn`` given in code. ``version``
         is the file format's version (1), not this.
         """
-        if self._digest is None:
+        digest: str | None = _private(self, "_digest")
+        if digest is None:
             content = canonical_json(self.model_dump(mode="json", exclude_defaults=True))
-            self._digest = hashlib.sha256(content.encode("utf-8")).hexdigest()
-        return self._digest
+            digest = self._digest = hashlib.sha256(content.encode("utf-8")).hexdigest()
+        return digest
 
     @property
     def key_fn(self) -> IdempotencyKeyFn | None:
         """The custom default idempotency key function, if one was given."""
-        return self._key_fn
+        key_fn: IdempotencyKeyFn | None = _private(self, "_key_fn")
+        return key_fn
 
     def with_key_fn(self, key_fn: IdempotencyKeyFn | None) -> Policy:
         """A copy whose default idempotency key comes from ``key_fn``."""
