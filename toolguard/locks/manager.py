@@ -507,6 +507,8 @@ class LockManager(_ManagerBase):
     def _claim(self, key: str, owner: str, until: float) -> bool:
         """Claim ``key`` in this manager, waiting in line behind its local holder until
         ``until``."""
+        if self._holds.claim(key, owner):  # the usual case: nobody here holds it, no Event
+            return True
         while True:
             handed = threading.Event()
             if self._holds.queue(key, owner, handed.set):
@@ -670,6 +672,8 @@ class AsyncLockManager(_ManagerBase):
 
     async def _claim(self, key: str, owner: str, until: float) -> bool:
         """As ``LockManager._claim``; the wait is a future woken from whichever thread frees."""
+        if self._holds.claim(key, owner):  # the usual case: nobody here holds it
+            return True
         loop = asyncio.get_running_loop()
         handed: asyncio.Future[None] = loop.create_future()
 
