@@ -183,7 +183,8 @@ class ArgConstraint(BaseModel):
     @property
     def regex(self) -> re.Pattern[str] | None:
         """``pattern`` compiled once."""
-        return _private(self, "_regex")
+        regex: re.Pattern[str] | None = _private(self, "_regex")
+        return regex
 
     @property
     def kinds(self) -> frozenset[str]:
