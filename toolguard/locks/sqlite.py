@@ -34,6 +34,7 @@ from typing import Any
 
 from toolguard.errors import BackendUnavailable
 from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms, owner_handoff_ms
+from toolguard.runtime import sqlite_checkpoints
 
 __all__ = ["AsyncSqliteBackend", "SqliteBackend"]
 
@@ -148,6 +149,7 @@ class SqliteBackend:
                              isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
+        sqlite_checkpoints.configure(db)
         if fresh:
             db.executescript(SCHEMA)
             self._prepared = True
@@ -166,6 +168,7 @@ class SqliteBackend:
         try:
             yield db
             db.execute("COMMIT")
+            sqlite_checkpoints.wrote(self.path, self.busy_timeout_ms / 1000)
         except BaseException as error:
             with contextlib.suppress(sqlite3.Error):  # an open transaction would poison the connection
                 db.execute("ROLLBACK")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from toolguard.errors import AuditAppendOnly, BackendUnavailable
+from toolguard.runtime import sqlite_checkpoints
 from toolguard.store.base import schema_missing
 from toolguard.store.chain import CANONICAL_FIELDS, sqlite_row_hash
 from toolguard.store.sqlite_sql import ROW_HASH_FUNCTION
@@ -76,6 +77,7 @@ class _Connections:
         self.synchronous = synchronous
         self._idle: list[sqlite3.Connection] = []
         self._files: dict[int, tuple[int, int] | None] = {}  # id(connection) -> its file
+        self._changes: dict[int, int] = {}  # id(connection) -> its total_changes when last given
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -95,6 +97,7 @@ class _Connections:
             self._wal(conn)
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
             conn.execute("PRAGMA foreign_keys=ON")
+            sqlite_checkpoints.configure(conn)
             conn.create_function(ROW_HASH_FUNCTION, len(CANONICAL_FIELDS), sqlite_row_hash,
                                  deterministic=True)
         except sqlite3.Error as error:
@@ -109,6 +112,7 @@ class _Connections:
     def _discard(self, conn: sqlite3.Connection) -> None:
         with self._lock:
             self._files.pop(id(conn), None)
+            self._changes.pop(id(conn), None)
         with contextlib.suppress(sqlite3.Error):
             conn.close()
 
@@ -149,6 +153,10 @@ class _Connections:
         if conn.in_transaction:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
+        changes = conn.total_changes
+        if changes != self._changes.get(id(conn), 0):  # it wrote: checkpoint soon, elsewhere
+            self._changes[id(conn)] = changes
+            sqlite_checkpoints.wrote(self.path, self.busy_timeout_ms / 1000)
         current = _file_of(self.path)
         with self._lock:
             if (self._pid == os.getpid() and current is not None

@@ -1,0 +1,128 @@
+"""The embedded default's WAL is checkpointed by a background thread, not inside a call's COMMIT.
+
+SQLite's own automatic checkpoint (at 1,000 pages) made one commit in about a
+hundred copy the log back and sync the file before it returned. toolguard's
+connections keep it only as a far safety net and a daemon thread per file runs
+PASSIVE checkpoints after writes (``toolguard.runtime.sqlite_checkpoints``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from toolguard.locks.sqlite import SqliteBackend
+from toolguard.runtime import sqlite_checkpoints
+from toolguard.store import AuditEntry, open_store
+
+PAGE = 4096
+
+
+def _wal_pages(path: Path) -> int:
+    wal = Path(f"{path}-wal")
+    return wal.stat().st_size // PAGE if wal.exists() else 0
+
+
+def test_store_and_lock_connections_keep_sqlites_checkpoint_only_as_a_safety_net(
+        tmp_path: Path) -> None:
+    path = tmp_path / "toolguard.db"
+    store = open_store(f"sqlite:///{path}", install=True, autoseal=None)
+    locks = SqliteBackend(path)
+    try:
+        with store.connection() as conn:  # type: ignore[attr-defined]
+            assert conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (
+                sqlite_checkpoints.SAFETY_NET_PAGES,)
+        assert locks._connection().execute("PRAGMA wal_autocheckpoint").fetchone() == (
+            sqlite_checkpoints.SAFETY_NET_PAGES,)
+    finally:
+        locks.close()
+        store.close()
+
+
+def test_commits_do_not_checkpoint_and_the_background_thread_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "toolguard.db"
+    store = open_store(f"sqlite:///{path}", install=True, autoseal=None)
+    try:
+        # First with the thread held back: the log grows past SQLite's default threshold,
+        # so no commit on the call path checkpointed it.
+        monkeypatch.setattr(sqlite_checkpoints, "wrote", lambda *args, **kwargs: None)
+        for n in range(1000):
+            store.audit(AuditEntry(decision="accepted", reason="applied", tool="t",
+                                   args={"n": n, "pad": "x" * 2000}))
+        assert _wal_pages(path) > 1200  # SQLite alone would have restarted it near 1,000
+        monkeypatch.undo()
+        # Then with it: one more write wakes it, and it checkpoints the whole log.
+        store.audit(AuditEntry(decision="accepted", reason="applied", tool="t"))
+        found = sqlite_checkpoints.checkpointer(str(path))
+        assert found is not None
+        deadline = time.monotonic() + 10
+        while found.runs == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found.runs >= 1
+        with sqlite3.connect(path) as conn:  # nothing left to copy back: the thread did it
+            busy, logged, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        assert busy == 0 and logged == copied and logged > 1000
+        assert store.verify_audit().ok  # type: ignore[attr-defined]
+    finally:
+        store.close()
+
+
+def test_the_checkpointer_ends_when_idle_and_starts_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_checkpoints, "IDLE_S", 0.2)
+    monkeypatch.setattr(sqlite_checkpoints, "DELAY_S", 0.01)
+    path = tmp_path / "locks.db"
+    locks = SqliteBackend(path)
+    try:
+        assert locks.try_acquire("k", "a", 5_000).token is not None
+        found = sqlite_checkpoints.checkpointer(str(path))
+        assert found is not None and found._thread is not None
+        first = found._thread
+        first.join(timeout=5)
+        assert not first.is_alive() and found.runs >= 1  # checkpointed, then ended idle
+        assert locks.release("k", "a")
+        second = found._thread
+        assert second is not None and second is not first
+        second.join(timeout=5)
+        assert found.runs >= 2
+    finally:
+        locks.close()
+
+
+def test_an_in_memory_database_has_no_checkpointer() -> None:
+    assert sqlite_checkpoints.checkpointer(":memory:") is None
+    sqlite_checkpoints.wrote(":memory:")  # nothing to do, nothing raised
+
+
+def test_the_checkpointer_never_makes_a_file_that_is_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lock file deleted under a live checkpointer stays gone until its backend makes it
+    again, with its tables (an empty file would look like one without them)."""
+    monkeypatch.setattr(sqlite_checkpoints, "DELAY_S", 0.01)
+    path = tmp_path / "locks.db"
+    locks = SqliteBackend(path)
+    try:
+        assert locks.try_acquire("k", "a", 5_000).token is not None
+        found = sqlite_checkpoints.checkpointer(str(path))
+        assert found is not None
+        deadline = time.monotonic() + 10
+        while found.runs == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        runs = found.runs
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        sqlite_checkpoints.wrote(str(path))
+        time.sleep(0.3)
+        assert not path.exists() and found.runs == runs
+        # the backend makes the file again, with its tables, and is checkpointed there
+        assert locks.try_acquire("k2", "b", 5_000).token is not None
+        deadline = time.monotonic() + 10
+        while found.runs == runs and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert found.runs > runs
+    finally:
+        locks.close()
