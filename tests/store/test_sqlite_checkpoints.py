@@ -21,6 +21,14 @@ from toolguard.store import AuditEntry, open_store
 PAGE = 4096
 
 
+def _runs_above(found: sqlite_checkpoints._Checkpointer, runs: int) -> int:
+    """The checkpointer's run count once it is above ``runs`` (waiting up to 10 s)."""
+    deadline = time.monotonic() + 10
+    while found.runs <= runs and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return found.runs
+
+
 def _wal_pages(path: Path) -> int:
     wal = Path(f"{path}-wal")
     return wal.stat().st_size // PAGE if wal.exists() else 0
@@ -32,7 +40,7 @@ def test_store_and_lock_connections_keep_sqlites_checkpoint_only_as_a_safety_net
     store = open_store(f"sqlite:///{path}", install=True, autoseal=None)
     locks = SqliteBackend(path)
     try:
-        with store.connection() as conn:  # type: ignore[attr-defined]
+        with store.connection() as conn:
             assert conn.execute("PRAGMA wal_autocheckpoint").fetchone() == (
                 sqlite_checkpoints.SAFETY_NET_PAGES,)
         assert locks._connection().execute("PRAGMA wal_autocheckpoint").fetchone() == (
@@ -59,14 +67,11 @@ def test_commits_do_not_checkpoint_and_the_background_thread_does(
         store.audit(AuditEntry(decision="accepted", reason="applied", tool="t"))
         found = sqlite_checkpoints.checkpointer(str(path))
         assert found is not None
-        deadline = time.monotonic() + 10
-        while found.runs == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert found.runs >= 1
+        assert _runs_above(found, 0) >= 1
         with sqlite3.connect(path) as conn:  # nothing left to copy back: the thread did it
             busy, logged, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         assert busy == 0 and logged == copied and logged > 1000
-        assert store.verify_audit().ok  # type: ignore[attr-defined]
+        assert store.verify_audit().ok
     finally:
         store.close()
 
@@ -109,10 +114,8 @@ def test_the_checkpointer_never_makes_a_file_that_is_gone(
         assert locks.try_acquire("k", "a", 5_000).token is not None
         found = sqlite_checkpoints.checkpointer(str(path))
         assert found is not None
-        deadline = time.monotonic() + 10
-        while found.runs == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        runs = found.runs
+        runs = _runs_above(found, 0)
+        assert runs >= 1
         for suffix in ("", "-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
         sqlite_checkpoints.wrote(str(path))
@@ -120,9 +123,6 @@ def test_the_checkpointer_never_makes_a_file_that_is_gone(
         assert not path.exists() and found.runs == runs
         # the backend makes the file again, with its tables, and is checkpointed there
         assert locks.try_acquire("k2", "b", 5_000).token is not None
-        deadline = time.monotonic() + 10
-        while found.runs == runs and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert found.runs > runs
+        assert _runs_above(found, runs) > runs
     finally:
         locks.close()
