@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,26 +77,41 @@ def test_commits_do_not_checkpoint_and_the_background_thread_does(
         store.close()
 
 
-def test_the_checkpointer_ends_when_idle_and_starts_again(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sqlite_checkpoints, "IDLE_S", 0.2)
+@pytest.fixture
+def held_lock_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                   ) -> Iterator[tuple[Path, SqliteBackend, sqlite_checkpoints._Checkpointer]]:
+    """A lock file written once (key "k" granted to "a"), and its checkpointer, woken fast."""
     monkeypatch.setattr(sqlite_checkpoints, "DELAY_S", 0.01)
     path = tmp_path / "locks.db"
     locks = SqliteBackend(path)
     try:
         assert locks.try_acquire("k", "a", 5_000).token is not None
         found = sqlite_checkpoints.checkpointer(str(path))
-        assert found is not None and found._thread is not None
-        first = found._thread
-        first.join(timeout=5)
-        assert not first.is_alive() and found.runs >= 1  # checkpointed, then ended idle
-        assert locks.release("k", "a")
-        second = found._thread
-        assert second is not None and second is not first
-        second.join(timeout=5)
-        assert found.runs >= 2
+        assert found is not None
+        yield path, locks, found
     finally:
         locks.close()
+
+
+@pytest.fixture
+def quick_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpointers end after 0.2 s without writes (set before the first one starts)."""
+    monkeypatch.setattr(sqlite_checkpoints, "IDLE_S", 0.2)
+
+
+def test_the_checkpointer_ends_when_idle_and_starts_again(
+        quick_idle: None,
+        held_lock_file: tuple[Path, SqliteBackend, sqlite_checkpoints._Checkpointer]) -> None:
+    _, locks, found = held_lock_file
+    first = found._thread
+    assert first is not None
+    first.join(timeout=5)
+    assert not first.is_alive() and found.runs >= 1  # checkpointed, then ended idle
+    assert locks.release("k", "a")
+    second = found._thread
+    assert second is not None and second is not first
+    second.join(timeout=5)
+    assert found.runs >= 2
 
 
 def test_an_in_memory_database_has_no_checkpointer() -> None:
@@ -104,25 +120,17 @@ def test_an_in_memory_database_has_no_checkpointer() -> None:
 
 
 def test_the_checkpointer_never_makes_a_file_that_is_gone(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        held_lock_file: tuple[Path, SqliteBackend, sqlite_checkpoints._Checkpointer]) -> None:
     """A lock file deleted under a live checkpointer stays gone until its backend makes it
     again, with its tables (an empty file would look like one without them)."""
-    monkeypatch.setattr(sqlite_checkpoints, "DELAY_S", 0.01)
-    path = tmp_path / "locks.db"
-    locks = SqliteBackend(path)
-    try:
-        assert locks.try_acquire("k", "a", 5_000).token is not None
-        found = sqlite_checkpoints.checkpointer(str(path))
-        assert found is not None
-        runs = _runs_above(found, 0)
-        assert runs >= 1
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{path}{suffix}").unlink(missing_ok=True)
-        sqlite_checkpoints.wrote(str(path))
-        time.sleep(0.3)
-        assert not path.exists() and found.runs == runs
-        # the backend makes the file again, with its tables, and is checkpointed there
-        assert locks.try_acquire("k2", "b", 5_000).token is not None
-        assert _runs_above(found, runs) > runs
-    finally:
-        locks.close()
+    path, locks, found = held_lock_file
+    runs = _runs_above(found, 0)
+    assert runs >= 1
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    sqlite_checkpoints.wrote(str(path))
+    time.sleep(0.3)
+    assert not path.exists() and found.runs == runs
+    # the backend makes the file again, with its tables, and is checkpointed there
+    assert locks.try_acquire("k2", "b", 5_000).token is not None
+    assert _runs_above(found, runs) > runs

@@ -199,8 +199,8 @@ class ArgConstraint(BaseModel):
             kinds.add("string")
         if self.min_items is not None or self.max_items is not None:
             kinds.add("collection")
-        self.__pydantic_private__["_kinds"] = frozenset(kinds)  # type: ignore[index]
-        return frozenset(kinds)
+        known = self._kinds = frozenset(kinds)  # once: the model is frozen
+        return known
 
 
 controls.resolve_forward_refs()  # ApprovalRule.when holds ArgConstraints

@@ -154,8 +154,10 @@ class _Connections:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
         changes = conn.total_changes
-        if changes != self._changes.get(id(conn), 0):  # it wrote: checkpoint soon, elsewhere
+        with self._lock:
+            wrote = changes != self._changes.get(id(conn), 0)
             self._changes[id(conn)] = changes
+        if wrote:  # checkpoint its WAL soon, on the checkpointer's thread
             sqlite_checkpoints.wrote(self.path, self.busy_timeout_ms / 1000)
         current = _file_of(self.path)
         with self._lock:
