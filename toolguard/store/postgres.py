@@ -55,12 +55,14 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime
+from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from toolguard.errors import BackendUnavailable
@@ -154,6 +156,76 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+class _Borrowed:
+    """One pooled connection for one ``with`` block: ``pool.connection()``'s behaviour with
+    less work per call (every guarded call takes one).
+
+    As ``pool.connection()`` does, a transaction still open at the end is committed, or
+    rolled back when the block raised; an autocommit connection that is idle (the usual
+    case) needs neither. Errors become toolguard's (``PostgresStore._unavailable``).
+    """
+
+    __slots__ = ("_conn", "_store", "_timeout")
+
+    def __init__(self, store: PostgresStore, timeout: float | None) -> None:
+        self._store = store
+        self._timeout = timeout
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def __enter__(self) -> psycopg.Connection[Any]:
+        try:
+            self._conn = conn = self._store._pool.getconn(timeout=self._timeout)
+        except psycopg.Error as error:
+            self._store._unavailable(error)
+            raise  # pragma: no cover - _unavailable always raises
+        return conn
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        conn, self._conn = self._conn, None
+        assert conn is not None
+        try:
+            if not conn.closed and conn.pgconn.transaction_status != TransactionStatus.IDLE:
+                if kind is None:
+                    conn.commit()
+                else:
+                    try:
+                        conn.rollback()
+                    except Exception as rollback_error:  # the block's own error goes on
+                        log.warning("error ignored in rollback: %s", rollback_error)
+        except psycopg.Error as commit_error:
+            error = commit_error
+        finally:
+            self._store._pool.putconn(conn)
+        if isinstance(error, psycopg.Error):
+            self._store._unavailable(error)
+
+
+class _SessionScope:
+    """A fenced write's connection and session; a transaction ``abort`` left open is ended
+    before the connection goes back."""
+
+    __slots__ = ("_borrowed", "_session", "_store")
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._store = store
+        self._borrowed = _Borrowed(store, None)
+        self._session: _Session | None = None
+
+    def __enter__(self) -> _Session:
+        self._session = _Session(self._store, self._borrowed.__enter__())
+        return self._session
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        session, self._session = self._session, None
+        try:
+            if session is not None and session.rollback_pending:
+                session.settle()
+        finally:
+            self._borrowed.__exit__(kind, error, traceback)
+
+
 class PostgresStore(_PgBase):
     """The guarded store on PostgreSQL; one pool, shared by every thread of a process."""
 
@@ -183,23 +255,22 @@ class PostgresStore(_PgBase):
         with contextlib.suppress(Exception):
             self._pool.check()
 
-    @contextlib.contextmanager
-    def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+    def connection(self, timeout: float | None = None
+                   ) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
         """A pooled autocommit connection, errors mapped to toolguard's.
 
         For reads and setup; writes that must be fenced go through ``fenced()``.
         """
-        try:
-            with self._pool.connection(timeout=timeout) as conn:
-                yield conn
-        except PoolTimeout as error:
+        return _Borrowed(self, timeout)
+
+    def _unavailable(self, error: BaseException) -> None:
+        """Raise what a psycopg or pool error met on one of the pool's connections means."""
+        if isinstance(error, PoolTimeout):
             msg = f"postgresql {redact(self.url)}: no connection: {self._probe()}"
             raise BackendUnavailable(msg) from error
-        except psycopg.Error as error:
-            mapped = translate(error)
-            if isinstance(mapped, BackendUnavailable):
-                self._forget_dead()
-            _raise_translated(error)
+        if isinstance(translate(error), BackendUnavailable):
+            self._forget_dead()
+        _raise_translated(error)
 
     def install(self, steps: Sequence[Migration] | None = None) -> int:
         """Create or upgrade the schema; idempotent, serialized by an advisory lock."""
@@ -235,15 +306,8 @@ class PostgresStore(_PgBase):
         assert row is not None and record.idempotency_key is not None
         return _begun(record.idempotency_key, row)
 
-    @contextlib.contextmanager
-    def _session(self) -> Iterator[_Session]:
-        with self.connection() as conn:
-            session = _Session(self, conn)
-            try:
-                yield session
-            finally:
-                if session.rollback_pending:
-                    session.settle()
+    def _session(self) -> _SessionScope:
+        return _SessionScope(self)
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
                detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
