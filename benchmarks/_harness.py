@@ -8,6 +8,7 @@ and in CPU time of the calling thread (``cpu_per_call``).
 
 from __future__ import annotations
 
+import argparse
 import random
 import threading
 import time
@@ -137,3 +138,9 @@ def cpu_per_call(call: Callable[[str], None], calls: int, seed: int) -> list[flo
         call(lead_of(rng))
         cpu.append(time.thread_time() - started)
     return cpu
+
+
+def run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--quick`` and ``--plain``, which every benchmark script takes."""
+    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
+    parser.add_argument("--plain", action="store_true", help="plain text tables")

@@ -39,16 +39,15 @@ import argparse
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import Load, throughput
+from _harness import Load, run_arguments, throughput
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize
-from guard import Setup, server_arguments
+from guard import Setup, open_setup, server_arguments
 
 TRIGGER = "toolguard_audit_row_hash"
 
@@ -158,16 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
     parser.add_argument("--seal-every", type=float, default=0.5, metavar="S",
                         help="the sealer's period in the `hash on + sealer` variant")
-    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
-    parser.add_argument("--plain", action="store_true", help="plain text tables")
+    run_arguments(parser)
     args = parser.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else (3.0 if args.quick else 12.0)
 
-    try:
-        setup = Setup(args.database_url, args.redis_url, uuid.uuid4().hex[:10])
-    except Exception as error:
-        print(f"cannot set up the benchmark (PostgreSQL {args.database_url}, "
-              f"Redis {args.redis_url}): {error}")
+    setup = open_setup(args.database_url, args.redis_url)
+    if setup is None:
         return 0
     try:
         hashed = has_row_hash(setup)

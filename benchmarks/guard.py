@@ -87,7 +87,16 @@ from psycopg_pool import ConnectionPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import AGENTS, LEADS, cpu_per_call, latency, lead_of, lead_schema_pool, throughput_rounds
+from _harness import (
+    AGENTS,
+    LEADS,
+    cpu_per_call,
+    latency,
+    lead_of,
+    lead_schema_pool,
+    run_arguments,
+    throughput_rounds,
+)
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize, verdict
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/14"
@@ -284,6 +293,16 @@ def profile(setup: Setup, calls: int, top: int = 25) -> str:
 # --- main -------------------------------------------------------------------------------------
 
 
+def open_setup(database_url: str, redis_url: str) -> Setup | None:
+    """A ``Setup`` of the run's own, or None (and why, printed) when the servers are not there."""
+    try:
+        return Setup(database_url, redis_url, uuid.uuid4().hex[:10])
+    except Exception as error:
+        print(f"cannot set up the benchmark (PostgreSQL {database_url}, Redis {redis_url}): "
+              f"{type(error).__name__}: {error}")
+        return None
+
+
 def server_arguments(parser: argparse.ArgumentParser) -> None:
     """``--redis-url`` and ``--database-url``, defaulting to the environment, then loopback."""
     parser.add_argument("--redis-url", default=os.environ.get("TOOLGUARD_BENCH_REDIS_URL",
@@ -298,8 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     server_arguments(parser)
     parser.add_argument("--seconds", type=float, default=None,
                         help="length of each measured phase (default 12, --quick 2)")
-    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
-    parser.add_argument("--plain", action="store_true", help="plain text tables")
+    run_arguments(parser)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N guarded calls with cProfile")
     parser.add_argument("--top", type=int, default=25, metavar="K",

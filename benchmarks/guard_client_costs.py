@@ -42,16 +42,15 @@ import contextlib
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import lead_of
+from _harness import lead_of, run_arguments
 from _stats import Table, fmt_ratio, fmt_s, ratio
-from guard import Setup, server_arguments
+from guard import Setup, open_setup, server_arguments
 
 Removal = Callable[[Setup], contextlib.AbstractContextManager[None]]
 
@@ -169,17 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="calls per variant per round (default 400, --quick 60)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds (default 11, --quick 2; each starts at the next variant)")
-    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
-    parser.add_argument("--plain", action="store_true", help="plain text tables")
+    run_arguments(parser)
     args = parser.parse_args(argv)
     calls = args.calls if args.calls is not None else (60 if args.quick else 400)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 11)
     warm_up = 200 if args.quick else 1_000
-    try:
-        setup = Setup(args.database_url, args.redis_url, uuid.uuid4().hex[:10])
-    except Exception as error:
-        print(f"cannot set up the benchmark (PostgreSQL {args.database_url}, "
-              f"Redis {args.redis_url}): {type(error).__name__}: {error}")
+    setup = open_setup(args.database_url, args.redis_url)
+    if setup is None:
         return 0
     variants: dict[str, Removal | None] = {"full": None, **REMOVALS,
                                            "all of the above": _all_removed}

@@ -53,7 +53,7 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import AGENTS, latency, throughput_rounds
+from _harness import AGENTS, latency, run_arguments, throughput_rounds
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize
 from guard import Setup, server_arguments
 
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     server_arguments(parser)
     parser.add_argument("--seconds", type=float, default=None,
                         help="length of each measured phase (default 24, --quick 4)")
-    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
-    parser.add_argument("--plain", action="store_true", help="plain text tables")
+    run_arguments(parser)
     args = parser.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else (4.0 if args.quick else 24.0)
     variants = [*VARIANTS, ("bare schema", [s for _, each in VARIANTS for s in each])]

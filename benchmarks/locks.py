@@ -69,6 +69,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _harness import run_arguments  # the sibling modules, importable once the path is set
 from _stats import (  # the sibling module, importable once the path is set
     Table,
     fmt_count,
@@ -918,8 +919,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="duration of each contended run (default 3, --quick 1)")
     parser.add_argument("--cycles", type=int, default=None,
                         help="uncontended cycles per implementation (default 5000, --quick 1500)")
-    parser.add_argument("--quick", action="store_true", help="shorter runs, for a smoke test")
-    parser.add_argument("--plain", action="store_true", help="plain text tables even if rich is installed")
+    run_arguments(parser)
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help=f"toolguard backends for section 4, comma-separated from {','.join(BACKENDS)} "
                              "(empty: skip the section)")
