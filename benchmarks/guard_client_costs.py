@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import sys
 import time
@@ -151,8 +152,6 @@ def _all_removed(setup: Setup) -> Iterator[None]:
 
 def _round(call: Callable[[str], None], calls: int, seed: int) -> tuple[float, float]:
     """(CPU, wall) seconds per call over ``calls`` calls on random leads."""
-    import random
-
     rng = random.Random(seed)
     leads = [lead_of(rng) for _ in range(calls)]
     wall, cpu = time.perf_counter(), time.thread_time()

@@ -59,7 +59,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, NoReturn, ParamSpec, TypeVar, cast
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -177,7 +177,6 @@ class _Borrowed:
             self._conn = conn = self._store._pool.getconn(timeout=self._timeout)
         except psycopg.Error as error:
             self._store._unavailable(error)
-            raise  # pragma: no cover - _unavailable always raises
         return conn
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -263,7 +262,7 @@ class PostgresStore(_PgBase):
         """
         return _Borrowed(self, timeout)
 
-    def _unavailable(self, error: BaseException) -> None:
+    def _unavailable(self, error: BaseException) -> NoReturn:
         """Raise what a psycopg or pool error met on one of the pool's connections means."""
         if isinstance(error, PoolTimeout):
             msg = f"postgresql {redact(self.url)}: no connection: {self._probe()}"

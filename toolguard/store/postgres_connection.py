@@ -20,7 +20,7 @@ batch jobs. ``toolguard.store.postgres`` re-exports the public names.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import sql
@@ -145,7 +145,7 @@ def translate(error: BaseException) -> BaseException:
     return error
 
 
-def _raise_translated(error: BaseException) -> None:
+def _raise_translated(error: BaseException) -> NoReturn:
     mapped = translate(error)
     if mapped is error:
         raise error
