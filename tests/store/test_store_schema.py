@@ -19,6 +19,7 @@ from store.envs import StoreEnv, drop_schema, rows
 from toolguard.errors import AuditAppendOnly, RecordNotFound, StaleFencingToken
 from toolguard.store import AuditEntry, GuardedStore, Migration, latest_version, migrations, open_store
 from toolguard.store.postgres_sql import HAS_APPLIED
+from toolguard.store.records import AUDIT_COLUMNS
 
 SQL_DIR = resources.files("toolguard").joinpath("sql")
 
@@ -29,7 +30,8 @@ SQL_DIR = resources.files("toolguard").joinpath("sql")
 EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
                                       (3, "003_stale_blockers_exact_results"), (4, "004_controls"),
                                       (5, "005_tamper_evident_audit"), (6, "006_replay_keeps_intent"),
-                                      (7, "007_policy_versions"), (8, "008_hot_path")],
+                                      (7, "007_policy_versions"), (8, "008_hot_path"),
+                                      (9, "009_one_finish")],
                        "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit"),
                                   (4, "004_policy_versions")]}
 
@@ -441,6 +443,46 @@ def test_pg_008_recording_a_result_is_a_hot_update(pg: psycopg.Connection[Any]) 
     applied = pg.execute(HAS_APPLIED, ("t", "lead:1", None, None)).fetchone()
     assert applied == (True,)
     assert pg.execute(HAS_APPLIED, ("other", "lead:1", None, None)).fetchone() == (False,)
+
+
+def test_pg_009_finish_writes_what_record_and_insert_write(pg: psycopg.Connection[Any]) -> None:
+    """Version 9: toolguard_finish leaves the same intent and audit rows as toolguard_record
+    followed by the audit INSERT (the row hash verifies), and raises TG003 writing nothing when
+    there is no unapplied intent; installed twice on top of 008."""
+    _install_files(pg, 8)
+    for _ in range(2):
+        with pg.transaction():
+            pg.execute(_sql_file("009_one_finish.sql"))
+    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (9,)
+    enter = ("SELECT * FROM toolguard_enter(ARRAY['lead:1'], ARRAY[%s]::bigint[], %s, 't', "
+             "'agent', NULL, 'h')")
+    audit = ("agent", "t", "call-1", "k", None, "applied", "ok", ["lead:1"], '{"lead:1": 1}',
+             '{"a": [1, "\\u00e9"]}', "done", 1.5, 2, "sha256:abc")
+    columns = ", ".join(AUDIT_COLUMNS)
+    with pg.transaction():  # the two statements of version 8
+        pg.execute(enter, (1, "k8"))
+        pg.execute("SELECT toolguard_record('k8', '{\"n\": 1e16}', '{\"lead:1\": 1}')")
+        pg.execute(f"INSERT INTO toolguard_audit ({columns}) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+                   "%s::text[], %s::jsonb, %s::jsonb, %s, %s, %s, %s)", audit)
+    finish = ("SELECT toolguard_finish(%s::text, %s::json, %s::jsonb, %s, %s, %s, %s, %s, %s, %s, "
+              "%s::text[], %s::jsonb, %s::jsonb, %s, %s::double precision, %s::integer, %s)")
+    with pg.transaction():
+        pg.execute(enter, (2, "k9"))
+        pg.execute(finish, ("k9", '{"n": 1e16}', '{"lead:1": 1}', *audit))
+    intents = pg.execute("SELECT status, result::text, tokens, last_error, applied_at IS NOT NULL "
+                         "FROM toolguard_intent ORDER BY idempotency_key").fetchall()
+    assert intents[0] == intents[1] == ("applied", '{"n": 1e16}', {"lead:1": 1}, None, True)
+    rows = pg.execute(f"SELECT {columns} FROM toolguard_audit ORDER BY id").fetchall()
+    assert len(rows) == 2 and rows[0] == rows[1]
+    hashes = pg.execute("SELECT row_hash = sha256(convert_to(toolguard_audit_canonical(a), 'UTF8')) "
+                        "FROM toolguard_audit a").fetchall()
+    assert hashes == [(True,), (True,)]
+    for key in ("k9", "missing"):  # applied already / never entered: nothing written
+        error = _raises(pg, finish, (key, "2", "{}", *audit))
+        assert error.sqlstate == "TG003" and key in str(error)
+    assert pg.execute("SELECT count(*) FROM toolguard_audit").fetchone() == (2,)
+    assert pg.execute("SELECT result::text FROM toolguard_intent WHERE idempotency_key = 'k9'"
+                      ).fetchone() == ('{"n": 1e16}',)
 
 
 def test_pg_003_token_locks_are_tagged(pg: psycopg.Connection[Any]) -> None:
