@@ -212,7 +212,7 @@ STEPS = [
     ("lock acquire", "1 Redis", "EVALSHA: grant + fencing token"),
     ("fenced enter", "1 PG", "BEGIN + toolguard_enter (fences, intent row), one message"),
     ("tool SQL", "1 PG", "the tool's UPDATE (what bare also runs)"),
-    ("fenced finish", "1 PG + commit", "apply + audit INSERT + COMMIT, one message"),
+    ("fenced finish", "1 PG + commit", "toolguard_finish (result + audit row) + COMMIT, one message"),
     ("lock release", "1 Redis", "EVALSHA: release / hand-off"),
 ]
 

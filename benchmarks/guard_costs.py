@@ -156,7 +156,7 @@ def per_statement(database_url: str, setup: Setup, calls: int, *, plain: bool) -
     same key and token), p50 net of a ``SELECT 1`` round trip timed in the same loop."""
     import expert as x
 
-    from toolguard.store.postgres import APPLY, AUDIT_INSERT, ENTER
+    from toolguard.store.postgres_sql import ENTER, FINISH
 
     spent: dict[str, list[float]] = {}
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -175,10 +175,9 @@ def per_statement(database_url: str, setup: Setup, calls: int, *, plain: bool) -
             timed("toolguard: toolguard_enter (fence + intent row)", ENTER,
                   ("{" + key + "}", "{" + str(token) + "}", call, "add_score", "scorer", "run",
                    "0" * 64, "{" + key + "}"))
-            timed("toolguard: toolguard_record (the result)", APPLY, (call, "1", tokens))
-            timed("toolguard: audit INSERT (row-hash trigger)", AUDIT_INSERT,
-                  ("scorer", "add_score", call, call, "run", "accepted", "applied",
-                   "{" + key + "}", tokens, args, None, 1.5, None, "probe"))
+            timed("toolguard: toolguard_finish (result + audit row, row-hash trigger)", FINISH,
+                  (call, "1", tokens, "scorer", "add_score", call, call, "run", "accepted",
+                   "applied", "{" + key + "}", tokens, args, None, 1.5, None, "probe"))
             timed("toolguard: COMMIT", "COMMIT")
             conn.execute("BEGIN")
             timed("expert: ENTER (fence upsert + intent insert)", x.ENTER,

@@ -55,9 +55,10 @@ _AUDIT_VALUES = ("%s, %s, %s, %s, %s, %s, %s, %s::text[], %s::jsonb, %s::jsonb, 
                  "%s::double precision, %s::integer, %s::text")
 _AUDIT_INTO = f"INSERT INTO toolguard_audit ({', '.join(AUDIT_COLUMNS)}) VALUES ({_AUDIT_VALUES})"
 AUDIT_INSERT = f"{_AUDIT_INTO} RETURNING id, at"
-#: One message (client-side binding): record the result and write the audit row in one
-#: function call (schema version 9), commit.
-FINISH_TX = f"SELECT toolguard_finish(%s::text, %s::json, %s::jsonb, {_AUDIT_VALUES}); COMMIT"
+#: Record the result and write the audit row in one function call (schema version 9).
+FINISH = f"SELECT toolguard_finish(%s::text, %s::json, %s::jsonb, {_AUDIT_VALUES})"
+#: One message (client-side binding): finish and commit.
+FINISH_TX = f"{FINISH}; COMMIT"
 FINISH_TX_NO_INTENT = f"{_AUDIT_INTO}; COMMIT"
 # Upsert the intent row as 'failed'/'unknown' (its own row may have been rolled back with the
 # failed transaction), never touching an applied row or another request's row (other tool or
