@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -178,7 +178,8 @@ class PostgresServer:
 
     name = "postgres"
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Sequence[str] = ("fsync=off", "synchronous_commit=off")) -> None:
+        """``settings``: ``name=value`` server settings besides the port and address."""
         self.dir = Path(tempfile.mkdtemp(prefix="tgscale-pg-"))
         self.port = free_port()
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
@@ -189,8 +190,8 @@ class PostgresServer:
         self._pg("initdb", "-D", str(self.dir / "data"), "-U", "postgres", "--auth=trust",
                  "--no-sync", "--no-instructions")
         CLEANUP.append(self.stop)
-        options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off "
-                   "-c synchronous_commit=off -c max_connections=100")
+        options = " ".join([f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1",
+                            "-c max_connections=100", *(f"-c {item}" for item in settings)])
         self._pg("pg_ctl", "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-o",
                  options, "-w", "-t", "30", "start")
 
