@@ -25,6 +25,11 @@ and hash-chained audit row, but no validation, policy, lease upkeep or telemetry
 * ``- telemetry``: the OpenTelemetry hooks as if the extra were not installed.
 * ``all of the above``: every removal at once: what is left is the lock, the
   fenced transaction and the audit row, toolguard's side of what (d2) does.
+* ``primitives, no guard``: the same write through toolguard's own primitives
+  without ``ToolGuard``: ``locks.acquire`` and ``store.fenced`` with the intent
+  (fence, intent row and result, audit row), as a program that checked its own
+  input would call them. Beside ``all of the above`` it shows what the guard's
+  steps around them cost (policy lookup, decisions, the audit entry, recovery).
 
 Every variant still fences, records the intent and its result and writes the
 audit row (the check at the end counts them); the ones without a piece lose what
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import random
 import statistics
 import sys
@@ -150,6 +156,27 @@ def _all_removed(setup: Setup) -> Iterator[None]:
         yield
 
 
+def primitives(setup: Setup) -> Callable[[str], None]:
+    """The guarded call's write through ``locks.acquire`` and ``store.fenced`` alone."""
+    from guard import UPDATE
+
+    from toolguard.call.intent import args_hash
+    from toolguard.store import IntentRecord
+
+    numbers = itertools.count()
+
+    def call(lead: str) -> None:
+        number, key, args = next(numbers), f"lead:{lead}", {"lead_id": lead, "delta": 1}
+        intent = IntentRecord(tool="add_score", idempotency_key=f"primitive-{number}",
+                              args_hash=args_hash(args), agent="scorer", workflow=setup.run,
+                              keys=(key,), intent_id=f"primitive-{number}", args=args)
+        with setup.locks.acquire(key) as lease, setup.store.fenced(lease, intent) as tx:
+            (score,) = tx.execute(UPDATE, (1, lead)).fetchone()
+            tx.result = int(score)
+
+    return call
+
+
 def _round(call: Callable[[str], None], calls: int, seed: int) -> tuple[float, float]:
     """(CPU, wall) seconds per call over ``calls`` calls on random leads."""
     rng = random.Random(seed)
@@ -188,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             setup.expert.d2(f"lead-{number % 1000}")
         impls: dict[str, tuple[Callable[[str], None], Removal | None]] = {
             name: (setup.guarded, removal) for name, removal in variants.items()}
+        impls["primitives, no guard"] = (primitives(setup), None)
         impls["expert (d2)"] = (setup.expert.d2, None)
         cpu: dict[str, list[float]] = {name: [] for name in impls}
         wall: dict[str, list[float]] = {name: [] for name in impls}
@@ -208,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in median.items():
             saved = full - value
             table.add_row(name, fmt_s(value),
-                          fmt_s(saved) if name not in ("full", "expert (d2)") else "-",
-                          f"{100 * saved / full:.1f}%" if name not in ("full", "expert (d2)")
+                          fmt_s(saved) if name in variants and name != "full" else "-",
+                          f"{100 * saved / full:.1f}%" if name in variants and name != "full"
                           else "-",
                           fmt_ratio(ratio(value, d2)), fmt_s(walls[name]),
                           fmt_ratio(ratio(walls[name], walls["expert (d2)"])))
@@ -218,14 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the removals one at a time save {fmt_s(summed)} together; all at once "
               f"{fmt_s(full - median['all of the above'])} (rounds differ by "
               f"{fmt_s(statistics.pstdev(cpu['full']))} for the full call)")
-        check(setup, warm_up + len(variants) * rounds * calls)
+        check(setup, warm_up + (len(variants) + 1) * rounds * calls)
     finally:
         setup.close()
     return 0
 
 
 def check(setup: Setup, guarded: int) -> None:
-    """Every call of every variant kept its rows: one applied intent and one audit row each."""
+    """Every call of every variant (and of the primitives) kept its rows: one applied intent
+    and one audit row each."""
     with setup.pool.connection() as conn:
         intents, audits = conn.execute(
             "SELECT (SELECT count(*) FROM toolguard_intent WHERE status = 'applied'), "
