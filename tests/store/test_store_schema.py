@@ -18,7 +18,7 @@ from psycopg import sql
 from store.envs import StoreEnv, drop_schema, rows
 from toolguard.errors import AuditAppendOnly, RecordNotFound, StaleFencingToken
 from toolguard.store import AuditEntry, GuardedStore, Migration, latest_version, migrations, open_store
-from toolguard.store.postgres_sql import HAS_APPLIED
+from toolguard.store.postgres_sql import APPLY, AUDIT_INSERT, FINISH, HAS_APPLIED
 from toolguard.store.records import AUDIT_COLUMNS
 
 SQL_DIR = resources.files("toolguard").joinpath("sql")
@@ -212,6 +212,15 @@ def test_pg_file_installs_twice_with_psql_semantics(pg: psycopg.Connection[Any])
     assert triggers == (1,)
 
 
+def _apply_twice(pg: psycopg.Connection[Any], name: str, version: int) -> None:
+    """Apply one shipped file twice, each time as psql --single-transaction; it is then the
+    highest version recorded."""
+    for _ in range(2):
+        with pg.transaction():
+            pg.execute(_sql_file(name))
+    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (version,)
+
+
 def _install_files(pg: psycopg.Connection[Any], upto: int) -> None:
     """The shipped PostgreSQL files up to version ``upto``, each as psql --single-transaction."""
     for step in migrations("postgresql"):
@@ -329,10 +338,7 @@ def test_pg_003_installs_twice_on_002_and_keeps_results(pg: psycopg.Connection[A
         pg.execute("SELECT * FROM toolguard_enter(ARRAY['k'], ARRAY[1]::bigint[], 'old', 't', "
                    "NULL, NULL, 'h')")
         pg.execute("SELECT toolguard_apply('old', '{\"b\": 1, \"a\": [2]}', '{}')")
-    for _ in range(2):
-        with pg.transaction():
-            pg.execute(_sql_file("003_stale_blockers_exact_results.sql"))
-    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (3,)
+    _apply_twice(pg, "003_stale_blockers_exact_results.sql", 3)
     assert pg.execute("SELECT result FROM toolguard_intent").fetchone() == ({"a": [2], "b": 1},)
     assert pg.execute("SELECT pg_typeof(result)::text FROM toolguard_intent").fetchone() == ("json",)
 
@@ -363,10 +369,7 @@ def test_pg_006_a_replay_leaves_the_applied_intent_row_alone(pg: psycopg.Connect
     """Version 6: toolguard_enter finds an applied intent without writing its row, so a client
     may commit a replay's fence advance; everything else behaves as in version 3."""
     _install_files(pg, 3)
-    for _ in range(2):  # on top of 003 (it needs nothing newer), twice
-        with pg.transaction():
-            pg.execute(_sql_file("006_replay_keeps_intent.sql"))
-    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (6,)
+    _apply_twice(pg, "006_replay_keeps_intent.sql", 6)  # on top of 003 (it needs nothing newer)
     enter = ("SELECT * FROM toolguard_enter(ARRAY['k'], ARRAY[%s]::bigint[], 'i', 'deposit', "
              "'agent', NULL, %s)")
     with pg.transaction():
@@ -390,10 +393,7 @@ def test_pg_008_enter_fences_one_key_itself_exactly_as_toolguard_fence(
     """Version 8: toolguard_enter's own one-key fence agrees with toolguard_fence on every
     input (new key, equal token, advance, stale, invalid), on top of 007, installed twice."""
     _install_files(pg, 7)
-    for _ in range(2):
-        with pg.transaction():
-            pg.execute(_sql_file("008_hot_path.sql"))
-    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (8,)
+    _apply_twice(pg, "008_hot_path.sql", 8)
     enter = ("SELECT * FROM toolguard_enter(%s::text[], %s::bigint[], %s, 'deposit', 'agent', "
              "NULL, 'h')")
     for key, token in (("new", 3), ("new", 3), ("new", 9)):  # created, equal, advanced
@@ -450,25 +450,19 @@ def test_pg_009_finish_writes_what_record_and_insert_write(pg: psycopg.Connectio
     followed by the audit INSERT (the row hash verifies), and raises TG003 writing nothing when
     there is no unapplied intent; installed twice on top of 008."""
     _install_files(pg, 8)
-    for _ in range(2):
-        with pg.transaction():
-            pg.execute(_sql_file("009_one_finish.sql"))
-    assert pg.execute("SELECT max(version) FROM toolguard_schema_version").fetchone() == (9,)
+    _apply_twice(pg, "009_one_finish.sql", 9)
     enter = ("SELECT * FROM toolguard_enter(ARRAY['lead:1'], ARRAY[%s]::bigint[], %s, 't', "
              "'agent', NULL, 'h')")
     audit = ("agent", "t", "call-1", "k", None, "applied", "ok", ["lead:1"], '{"lead:1": 1}',
              '{"a": [1, "\\u00e9"]}', "done", 1.5, 2, "sha256:abc")
     columns = ", ".join(AUDIT_COLUMNS)
-    with pg.transaction():  # the two statements of version 8
+    with pg.transaction():  # the two statements the client sent up to version 8
         pg.execute(enter, (1, "k8"))
-        pg.execute("SELECT toolguard_record('k8', '{\"n\": 1e16}', '{\"lead:1\": 1}')")
-        pg.execute(f"INSERT INTO toolguard_audit ({columns}) VALUES (%s, %s, %s, %s, %s, %s, %s, "
-                   "%s::text[], %s::jsonb, %s::jsonb, %s, %s, %s, %s)", audit)
-    finish = ("SELECT toolguard_finish(%s::text, %s::json, %s::jsonb, %s, %s, %s, %s, %s, %s, %s, "
-              "%s::text[], %s::jsonb, %s::jsonb, %s, %s::double precision, %s::integer, %s)")
-    with pg.transaction():
+        pg.execute(APPLY, ("k8", '{"n": 1e16}', '{"lead:1": 1}'))
+        pg.execute(AUDIT_INSERT, audit)
+    with pg.transaction():  # the one it sends now
         pg.execute(enter, (2, "k9"))
-        pg.execute(finish, ("k9", '{"n": 1e16}', '{"lead:1": 1}', *audit))
+        pg.execute(FINISH, ("k9", '{"n": 1e16}', '{"lead:1": 1}', *audit))
     intents = pg.execute("SELECT status, result::text, tokens, last_error, applied_at IS NOT NULL "
                          "FROM toolguard_intent ORDER BY idempotency_key").fetchall()
     assert intents[0] == intents[1] == ("applied", '{"n": 1e16}', {"lead:1": 1}, None, True)
@@ -478,7 +472,7 @@ def test_pg_009_finish_writes_what_record_and_insert_write(pg: psycopg.Connectio
                         "FROM toolguard_audit a").fetchall()
     assert hashes == [(True,), (True,)]
     for key in ("k9", "missing"):  # applied already / never entered: nothing written
-        error = _raises(pg, finish, (key, "2", "{}", *audit))
+        error = _raises(pg, FINISH, (key, "2", "{}", *audit))
         assert error.sqlstate == "TG003" and key in str(error)
     assert pg.execute("SELECT count(*) FROM toolguard_audit").fetchone() == (2,)
     assert pg.execute("SELECT result::text FROM toolguard_intent WHERE idempotency_key = 'k9'"
