@@ -1,7 +1,10 @@
 """SQLite backend: the embedded default, shared by every process on one machine.
 
 Each operation is one ``BEGIN IMMEDIATE`` transaction on a WAL database, so the
-grant and the token are one atomic step here too. Waiters are woken by the
+grant and the token are one atomic step here too. The uncontended call takes
+the short paths: a grant that mints its token only if the key is free and
+nobody is queued (no read first), and a release that is one ``DELETE`` when
+nobody is queued; anything else falls through to the full step. Waiters are woken by the
 releaser, which hands the lock over in its own transaction (for the waiter's
 hand-off TTL, carried in its owner id) and then sends the token as a datagram
 to the socket the waiter opened for that key (Linux abstract namespace: no files
@@ -71,6 +74,22 @@ FROM (SELECT 1) LEFT JOIN tg_lock l ON l.key = ?1"""
 #: The key's next token (the last one + 1, or the clock ``?2`` if that is ahead), stored.
 _MINT = ("INSERT INTO tg_lock_fence (key, token) VALUES (?1, ?2) ON CONFLICT (key) "
          "DO UPDATE SET token = max(token + 1, excluded.token) RETURNING token")
+#: ``_MINT`` only when the key is free at ``?2`` and nobody is queued for it (no row at all:
+#: an absent waiter's row is cleaned up by the full path): the grant every uncontended call
+#: takes, without the read ``_LOOK`` does for the other cases. No row returned: not free.
+_MINT_IF_FREE = (
+    "INSERT INTO tg_lock_fence (key, token) SELECT ?1, ?2 "
+    "WHERE NOT EXISTS (SELECT 1 FROM tg_lock WHERE key = ?1 AND expires_us > ?2) "
+    "AND NOT EXISTS (SELECT 1 FROM tg_lock_waiter WHERE key = ?1) "
+    "ON CONFLICT (key) DO UPDATE SET token = max(token + 1, excluded.token) RETURNING token")
+_GRANT = ("INSERT INTO tg_lock (key, owner, token, expires_us) VALUES (?, ?, ?, ?) "
+          "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, "
+          "token = excluded.token, expires_us = excluded.expires_us")
+#: The release when nobody is queued for the key: one statement, its own transaction (no
+#: waiter row can appear meanwhile: SQLite runs one writer at a time). Nothing deleted: not
+#: held, or a queue to hand the key to; the full release in one transaction decides.
+_RELEASE_UNQUEUED = ("DELETE FROM tg_lock WHERE key = ?1 AND owner = ?2 "
+                     "AND NOT EXISTS (SELECT 1 FROM tg_lock_waiter WHERE key = ?1)")
 
 
 def _now_us() -> int:
@@ -222,6 +241,12 @@ class SqliteBackend:
     def try_acquire(self, key: str, owner: str, ttl_ms: int) -> Attempt:
         with self._transaction() as db:
             now = _now_us()
+            minted = db.execute(_MINT_IF_FREE, (key, now)).fetchone()
+            if minted is not None:  # free, nobody queued: granted at once
+                db.execute(_GRANT, (key, owner, int(minted[0]), now + ttl_ms * 1000))
+                token = int(minted[0])
+                self._forget(owner, key)
+                return Attempt(token=token)
             holder, token, expires_us, head, expired = db.execute(_LOOK, (key, now)).fetchone()
             if holder == owner and expires_us > now:  # ours already: extend it from now
                 db.execute("UPDATE tg_lock SET expires_us = ? WHERE key = ?",
@@ -236,10 +261,7 @@ class SqliteBackend:
             if head is not None and head != owner:
                 return self._enqueue(db, key, owner, now, retry_us=0)
             token = self._mint(db, key, now)
-            db.execute("INSERT INTO tg_lock (key, owner, token, expires_us) VALUES (?, ?, ?, ?) "
-                       "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, "
-                       "token = excluded.token, expires_us = excluded.expires_us",
-                       (key, owner, token, now + ttl_ms * 1000))
+            db.execute(_GRANT, (key, owner, token, now + ttl_ms * 1000))
             if head is not None:
                 db.execute("DELETE FROM tg_lock_waiter WHERE key = ? AND owner = ?", (key, owner))
         self._forget(owner, key)
@@ -276,6 +298,9 @@ class SqliteBackend:
         return None
 
     def release(self, key: str, owner: str) -> bool:
+        if self._released_unqueued(key, owner):
+            self._forget(owner, key)
+            return True
         wake: tuple[str, int] | None = None
         with self._transaction() as db:
             now = _now_us()
@@ -292,6 +317,16 @@ class SqliteBackend:
                     contextlib.suppress(OSError):  # the waiter left: it will find the grant
                 sock.sendto(str(wake[1]).encode("ascii"), wake[0])
         return held
+
+    def _released_unqueued(self, key: str, owner: str) -> bool:
+        """Release ``owner``'s hold in one statement if nobody is queued for ``key``."""
+        try:
+            deleted = self._connection().execute(_RELEASE_UNQUEUED, (key, owner)).rowcount > 0
+        except (sqlite3.Error, OSError) as error:
+            raise BackendUnavailable(f"sqlite {self.path}: {error}") from error
+        if deleted:
+            sqlite_checkpoints.wrote(self.path, self.busy_timeout_ms / 1000)
+        return deleted
 
     def _hand_off(self, db: sqlite3.Connection, key: str, now: int) -> tuple[str, int] | None:
         """Grant the key to the first waiter still present (the expired ones are gone)."""

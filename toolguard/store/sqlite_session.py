@@ -46,7 +46,7 @@ from toolguard.store.sqlite_sql import (
     DIALECT,
     FENCE,
     INTENT_ROW,
-    NEW_INTENT,
+    NEW_INTENT_IF_ABSENT,
     _loads,
 )
 
@@ -105,12 +105,11 @@ class _Session:
         intent = plan.intent
         if intent is None or intent.idempotency_key is None:
             return
+        if conn.execute(NEW_INTENT_IF_ABSENT, (
+                intent.idempotency_key, intent.tool, intent.agent, intent.workflow,
+                dump_json(list(intent.keys or plan.keys)), intent.args_hash)).rowcount:
+            return  # the key's first attempt: its row is made
         row = conn.execute(INTENT_ROW, (intent.idempotency_key,)).fetchone()
-        if row is None:
-            conn.execute(NEW_INTENT, (intent.idempotency_key, intent.tool, intent.agent,
-                                      intent.workflow, dump_json(list(intent.keys or plan.keys)),
-                                      intent.args_hash))
-            return
         tool, args_hash, status, _, result = row
         if tool != intent.tool or args_hash != intent.args_hash:
             raise _conflict(intent.idempotency_key, tool)

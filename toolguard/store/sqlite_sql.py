@@ -41,6 +41,9 @@ INTENT_ROW = ("SELECT tool, args_hash, status, attempts, result FROM toolguard_i
               "WHERE idempotency_key = ?")
 NEW_INTENT = ("INSERT INTO toolguard_intent (idempotency_key, tool, agent, workflow, keys, args_hash) "
               "VALUES (?, ?, ?, ?, ?, ?)")
+#: The first attempt's intent row, in the statement that also finds an existing one: nothing
+#: inserted (rowcount 0) means the key was seen before, and ``INTENT_ROW`` says how.
+NEW_INTENT_IF_ABSENT = NEW_INTENT + " ON CONFLICT (idempotency_key) DO NOTHING"
 RETRY_INTENT = (f"UPDATE toolguard_intent SET status = 'pending', attempts = attempts + 1, "
                 f"updated_at = {NOW} WHERE idempotency_key = ?")
 APPLY = (f"UPDATE toolguard_intent SET status = 'applied', result = ?, tokens = ?, last_error = NULL, "
