@@ -134,3 +134,21 @@ def test_the_checkpointer_never_makes_a_file_that_is_gone(
     # the backend makes the file again, with its tables, and is checkpointed there
     assert locks.try_acquire("k2", "b", 5_000).token is not None
     assert _runs_above(found, runs) > runs
+
+
+def test_a_relative_path_names_the_file_in_the_working_directory_of_each_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    in_first = sqlite_checkpoints.checkpointer("toolguard.db")
+    monkeypatch.chdir(second)
+    in_second = sqlite_checkpoints.checkpointer("toolguard.db")
+    absolute = sqlite_checkpoints.checkpointer(str(second / "toolguard.db"))
+    assert in_first is not None and in_second is not None
+    assert in_first.path == str(first / "toolguard.db")
+    assert in_second.path == str(second / "toolguard.db")
+    # the absolute name of a file already known is the same checkpointer, found again by it
+    assert absolute is in_second
+    assert sqlite_checkpoints.checkpointer(str(second / "toolguard.db")) is in_second

@@ -54,7 +54,8 @@ class _Checkpointer:
         self._thread: threading.Thread | None = None
 
     def wrote(self) -> None:
-        self._written.set()
+        if not self._written.is_set():  # set and not yet taken: the coming run covers this write
+            self._written.set()
         thread = self._thread
         if thread is None or not thread.is_alive():
             with self._mutex:
@@ -109,6 +110,9 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 
 _CHECKPOINTERS: dict[tuple[int, str], _Checkpointer] = {}
+#: The same checkpointers by the absolute path a caller gave (which names one file whatever
+#: the working directory), so that ``wrote`` need not normalize it on every commit.
+_GIVEN: dict[tuple[int, str], _Checkpointer] = {}
 _REGISTRY = threading.Lock()
 
 
@@ -116,13 +120,19 @@ def checkpointer(path: str, busy_timeout_s: float = 30.0) -> _Checkpointer | Non
     """The checkpointer of the file at ``path`` in this process (None for ``:memory:``)."""
     if path == ":memory:" or path.startswith("file::memory:"):
         return None
-    key = (os.getpid(), os.path.abspath(path))  # a forked child gets its own thread
+    pid = os.getpid()  # a forked child gets its own thread
+    found = _GIVEN.get((pid, path))  # an absolute path seen before: no cwd to resolve it against
+    if found is not None:
+        return found
+    key = (pid, os.path.abspath(path))
     found = _CHECKPOINTERS.get(key)
     if found is None:
         with _REGISTRY:
             found = _CHECKPOINTERS.get(key)
             if found is None:
                 found = _CHECKPOINTERS[key] = _Checkpointer(key[1], busy_timeout_s)
+    if os.path.isabs(path):
+        _GIVEN[(pid, path)] = found
     return found
 
 
