@@ -69,3 +69,27 @@ def test_other_values_are_left_to_psycopg(value: object) -> None:
 def test_the_hot_templates_hold_only_plain_placeholders() -> None:
     for query in (pg.ENTER_TX, pg.FINISH_TX, pg.FINISH_TX_NO_INTENT):
         assert "".join(pg._TEMPLATES[query]) == query.replace("%s", "")
+
+
+def test_the_hot_path_steps_aside_when_the_session_quotes_by_other_rules(
+        conn: psycopg.Connection) -> None:
+    """With backslash escapes on (``standard_conforming_strings = off``), another client
+    encoding, or in pipeline mode, ``_HotCursor`` leaves the query to psycopg's own quoting:
+    its literals are only right for a UTF-8 session that reads backslashes as text."""
+    from toolguard.store.postgres_literals import _HotCursor
+    from toolguard.store.postgres_sql import ENTER_TX
+
+    params = tuple("a\\'b" for _ in range(ENTER_TX.count("%s")))
+    cursor = _HotCursor(conn)
+    assert cursor._hot(ENTER_TX, params) is not None  # the default session: filled here
+    conn.execute("SET standard_conforming_strings = off")
+    assert cursor._hot(ENTER_TX, params) is None
+    assert conn.execute("SELECT %s::text", ("a\\'b",)).fetchone() == ("a\\'b",)
+    conn.execute("RESET standard_conforming_strings")
+    assert cursor._hot(ENTER_TX, params) is not None
+    conn.execute("SET client_encoding = 'LATIN1'")
+    assert cursor._hot(ENTER_TX, params) is None
+    conn.execute("RESET client_encoding")
+    assert cursor._hot(ENTER_TX, params) is not None
+    with conn.pipeline():
+        assert cursor._hot(ENTER_TX, params) is None

@@ -36,6 +36,8 @@ def _template(query: str) -> tuple[str, ...]:
 
 _TEMPLATES = {query: _template(query) for query in (ENTER_TX, FINISH_TX, FINISH_TX_NO_INTENT)}
 _NUL_TEXT = "PostgreSQL text fields cannot contain NUL (0x00) bytes"
+#: The server's names of UTF-8 as ``client_encoding`` reports it.
+_UTF8 = frozenset({b"UTF8", b"UNICODE"})
 
 
 def _literal(value: Any) -> str | None:
@@ -105,10 +107,12 @@ class _HotCursor(psycopg.ClientCursor[Any]):
 
     def _hot(self, query: Any, params: Any) -> bytes | None:
         parts = _TEMPLATES.get(query) if type(query) is str and params is not None else None
-        conn = self._conn
-        if parts is None or conn._pipeline is not None or (
-                self._pgconn.parameter_status(b"standard_conforming_strings") != b"on"
-                or conn.info.encoding != "utf-8"):
+        pgconn = self._pgconn
+        # The session's own settings, as libpq last heard them (not ``conn.info``, which
+        # builds an object and looks the codec up on every call).
+        if parts is None or self._conn._pipeline is not None or (
+                pgconn.parameter_status(b"standard_conforming_strings") != b"on"
+                or pgconn.parameter_status(b"client_encoding") not in _UTF8):
             return None
         return _filled(parts, params)
 
