@@ -1,10 +1,7 @@
 """SQLite backend: the embedded default, shared by every process on one machine.
 
 Each operation is one ``BEGIN IMMEDIATE`` transaction on a WAL database, so the
-grant and the token are one atomic step here too. The uncontended call takes
-the short paths: a grant that mints its token only if the key is free and
-nobody is queued (no read first), and a release that is one ``DELETE`` when
-nobody is queued; anything else falls through to the full step. Waiters are woken by the
+grant and the token are one atomic step here too. Waiters are woken by the
 releaser, which hands the lock over in its own transaction (for the waiter's
 hand-off TTL, carried in its owner id) and then sends the token as a datagram
 to the socket the waiter opened for that key (Linux abstract namespace: no files
@@ -18,6 +15,10 @@ it saw it, and ``wait`` drops datagrams at or below it: a grant still the
 owner's would have been returned by that call, so an older token is one that is
 over. A socket per (owner, key) keeps the datagrams of one key from another's
 wait.
+
+The uncontended call takes short paths: a grant that mints its token only if
+the key is free and nobody is queued (no read first), and a release that is one
+``DELETE`` when nobody is queued. Anything else falls through to the full step.
 """
 
 from __future__ import annotations
@@ -243,8 +244,8 @@ class SqliteBackend:
             now = _now_us()
             minted = db.execute(_MINT_IF_FREE, (key, now)).fetchone()
             if minted is not None:  # free, nobody queued: granted at once
-                db.execute(_GRANT, (key, owner, int(minted[0]), now + ttl_ms * 1000))
                 token = int(minted[0])
+                db.execute(_GRANT, (key, owner, token, now + ttl_ms * 1000))
                 self._forget(owner, key)
                 return Attempt(token=token)
             holder, token, expires_us, head, expired = db.execute(_LOOK, (key, now)).fetchone()
