@@ -311,13 +311,20 @@ def server_arguments(parser: argparse.ArgumentParser) -> None:
                                                                  DEFAULT_DATABASE))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def guard_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The parser of a guarded-call script: its docstring's first paragraph as description,
+    the servers (``server_arguments``), ``--quick`` and ``--plain``; the script adds its own."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     server_arguments(parser)
+    run_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = guard_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=None,
                         help="length of each measured phase (default 12, --quick 2)")
-    run_arguments(parser)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N guarded calls with cProfile")
     parser.add_argument("--top", type=int, default=25, metavar="K",

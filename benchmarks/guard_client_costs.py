@@ -42,7 +42,6 @@ with the wall time beside it. Always exits 0.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import random
@@ -55,9 +54,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import lead_of, run_arguments
+from _harness import lead_of
 from _stats import Table, fmt_ratio, fmt_s, ratio
-from guard import Setup, open_setup, server_arguments
+from guard import Setup, guard_parser, open_setup
 
 Removal = Callable[[Setup], contextlib.AbstractContextManager[None]]
 
@@ -188,13 +187,11 @@ def _round(call: Callable[[str], None], calls: int, seed: int) -> tuple[float, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    server_arguments(parser)
+    parser = guard_parser(__doc__)
     parser.add_argument("--calls", type=int, default=None,
                         help="calls per variant per round (default 400, --quick 60)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds (default 11, --quick 2; each starts at the next variant)")
-    run_arguments(parser)
     args = parser.parse_args(argv)
     calls = args.calls if args.calls is not None else (60 if args.quick else 400)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 11)

@@ -39,7 +39,6 @@ Always exits 0.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -53,9 +52,9 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import AGENTS, latency, run_arguments, throughput_rounds
+from _harness import AGENTS, latency, throughput_rounds
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize
-from guard import Setup, server_arguments
+from guard import Setup, guard_parser
 
 #: (variant, statements that take its piece away; {s} is the variant's schema).
 VARIANTS: list[tuple[str, list[str]]] = [
@@ -78,11 +77,9 @@ def strip(database_url: str, schema: str, statements: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    server_arguments(parser)
+    parser = guard_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=None,
                         help="length of each measured phase (default 24, --quick 4)")
-    run_arguments(parser)
     args = parser.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else (4.0 if args.quick else 24.0)
     variants = [*VARIANTS, ("bare schema", [s for _, each in VARIANTS for s in each])]

@@ -26,16 +26,15 @@ exits 0.
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from _harness import LEADS, lead_of, run_arguments  # the sibling modules
+from _harness import LEADS, lead_of  # the sibling modules
 from _stats import Table
-from guard import Setup, server_arguments
+from guard import Setup, guard_parser
 from scale import PostgresServer
 
 #: What the server is started with: the statistics this table reads, durable as shipped.
@@ -67,12 +66,9 @@ def measure(admin: Any, call: Callable[[str], None], calls: int, rng: random.Ran
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    server_arguments(parser)
+    parser = guard_parser(__doc__)
     parser.add_argument("--calls", type=int, default=None,
                         help="calls per round (default 3,000, --quick 500)")
-    run_arguments(parser)
     args = parser.parse_args(argv)
     calls = args.calls or (500 if args.quick else 3000)
     rounds = 2
