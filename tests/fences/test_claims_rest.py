@@ -6,6 +6,7 @@ rows): a refused claim leaves exactly one audit row and changes nothing.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -56,6 +57,28 @@ def signed_service(service_store_url) -> Iterator[ServiceProcess]:
 def store(signed_service: ServiceProcess) -> Iterator[GuardedStore]:
     with opened_store(signed_service) as opened:
         yield opened
+
+
+def _bad_signature(claim: str) -> str:
+    """``claim`` with one bit of its signature flipped, spelled canonically.
+
+    Always another signature: overwriting its last characters with fixed ones
+    leaves it as it was whenever it already ended in them (about once in 16,000
+    runs for an Ed25519 signature, and the forged claim is then the genuine one).
+    """
+    head, _, signature = claim.rpartition(".")
+    raw = bytearray(base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4)))
+    raw[0] ^= 0x01
+    return f"{head}.{base64.urlsafe_b64encode(bytes(raw)).rstrip(b'=').decode('ascii')}"
+
+
+def test_the_forged_signature_is_never_the_genuine_one() -> None:
+    ending_as_forged_before = "tgf1.ed25519.k1.e30." + "B" * 83 + "AAA"  # 64 bytes, canonical
+    assert ending_as_forged_before[:-3] + "AAA" == ending_as_forged_before  # the old forgery
+    for claim in (ending_as_forged_before, "tgf1.ed25519.k1.e30." + "x" * 85 + "w"):
+        forged = _bad_signature(claim)
+        assert forged != claim and len(forged) == len(claim)
+        assert forged.rpartition(".")[0] == claim.rpartition(".")[0]
 
 
 def genuine_call(guard, url: str, key: SigningKey, lead: str, score: int, call_id: str):
@@ -122,7 +145,7 @@ def test_every_forged_or_borrowed_claim_is_refused_audited_once_and_changes_noth
              403, "claim_mismatch"),
             ("another idempotency key", replace(genuine, idempotency_key="other#1"),
              403, "claim_mismatch"),
-            ("a bad signature", replace(genuine, claims=genuine.claims[:-3] + "AAA"),
+            ("a bad signature", replace(genuine, claims=_bad_signature(genuine.claims)),
              401, "claim_bad_signature"),
         ]
         for what, sent, status, reason in cases:
