@@ -296,14 +296,17 @@ class ToolGuard:
                 self._schema.check(store)
                 self._versions.record(store, state.policy)
                 check_pause(self.controls.pauses, intent)
-                state.prepared = self._traced_prepare(state, call)
+                state.prepared = proposed = self._traced_prepare(state, call)
+                facts = facts_of(intent, proposed)
                 approved = approve(
-                    self.controls.approvals, state.prepared, facts_of(intent, state.prepared),
-                    state.enforcement, call_id=intent.call_id, interrupt=interrupt,
+                    self.controls.approvals, proposed, facts, state.enforcement,
+                    call_id=intent.call_id, interrupt=interrupt,
                     on_request=lambda asked: self._asked(state, asked, call))
                 state.prepared = prepared = self._edited(state, approved, call)
-                admission = admit(self.controls.quotas, prepared, facts_of(intent, prepared),
-                                  state.enforcement, store=store)
+                if prepared is not proposed:  # a person edited the arguments
+                    facts = facts_of(intent, prepared)
+                admission = admit(self.controls.quotas, prepared, facts, state.enforcement,
+                                  store=store)
                 self._audit_entry(state.shadow_entry(), call)
                 with held(admission) as done:
                     decision = self._execute(state, prepared, execute, call, locks, store)
@@ -414,20 +417,21 @@ class ToolGuard:
                 await self._versions.arecord(store, state.policy)
                 await acheck_pause(self.controls.async_pauses, intent)
                 swallowed()
-                state.prepared = self._traced_prepare(state, call)
+                state.prepared = proposed = self._traced_prepare(state, call)
 
                 async def asked(request: ApprovalRequired) -> None:
                     await self._aaudit(self._refusal(state, request), state, call)
 
+                facts = facts_of(intent, proposed)
                 approved = await aapprove(
-                    self.controls.async_approvals, state.prepared,
-                    facts_of(intent, state.prepared), state.enforcement, call_id=intent.call_id,
-                    interrupt=interrupt, on_request=asked)
+                    self.controls.async_approvals, proposed, facts, state.enforcement,
+                    call_id=intent.call_id, interrupt=interrupt, on_request=asked)
                 swallowed()
                 state.prepared = prepared = self._edited(state, approved, call)
-                admission = await aadmit(self.controls.async_quotas, prepared,
-                                         facts_of(intent, prepared), state.enforcement,
-                                         store=store)
+                if prepared is not proposed:  # a person edited the arguments
+                    facts = facts_of(intent, prepared)
+                admission = await aadmit(self.controls.async_quotas, prepared, facts,
+                                         state.enforcement, store=store)
                 await self._aaudit_entry(state.shadow_entry(), call)
                 async with aheld(admission) as done:
                     swallowed()  # inside: the admission is finished either way

@@ -95,6 +95,19 @@ def test_a_denial_an_edit_and_a_small_call(harness: Any) -> None:
     assert accepted.args["amount"] == 900 and accepted.args["memo"] == "[redacted]"
 
 
+def test_the_budget_is_charged_what_the_person_approved_not_what_was_asked(harness: Any) -> None:
+    """Quotas decide on the edited call: asked 9,500, approved as 900, so 900 is spent."""
+    h = harness(POLICY)
+    asked = intent("transfer", {**BIG, "amount": 9500}, call_id="q1")
+    cli(h, "approve", h.guard.run(asked, write).approval_id, "--args", '{"amount": 900}')
+    assert h.guard.run(asked, write).ok
+    small = [h.guard.run(intent("transfer", {**BIG, "amount": 1000}, call_id=f"q{n}"), write)
+             for n in range(2, 12)]
+    assert [d.ok for d in small] == [True] * 9 + [False]  # 900 + 9 x 1,000 fit in 10,000
+    assert small[-1].reason == "budget_exceeded"
+    assert [row[2] for row in h.effects()] == [900] + [1000] * 9
+
+
 def test_an_approval_is_bound_to_the_arguments_and_expires(harness: Any) -> None:
     clock = Clock()
     h = harness(POLICY, approval_clock=clock)
