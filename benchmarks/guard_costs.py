@@ -19,6 +19,9 @@ so the difference from the full schema is what that piece costs:
   (at; tool, at; idempotency_key; intent_id), behind the audit's filters.
 * ``- row hash``: the BEFORE INSERT trigger that gives every audit row its
   SHA-256 (the tamper-evident log: ``toolguard audit verify``).
+* ``- token publication``: ``toolguard_enter``'s shared advisory lock on the
+  caller's token, by which a later holder of the key finds and ends the
+  transaction of a paused holder that still holds the fence row.
 * ``bare schema``: all of the above taken away together.
 
 Every variant still fences, records the intent and its result and writes the
@@ -56,6 +59,18 @@ from _harness import AGENTS, latency, throughput_rounds
 from _stats import Table, fmt_rate, fmt_ratio, fmt_s, ratio, summarize
 from guard import Setup, guard_parser
 
+#: ``toolguard_enter`` without the shared advisory lock that publishes the caller's token
+#: (what lets a later holder end a paused holder's transaction that still holds the row).
+_PUBLISH = "PERFORM pg_advisory_xact_lock_shared(toolguard_token_lock(p_tokens[1]));"
+_UNPUBLISHED = f"""DO $$
+DECLARE definition text := pg_get_functiondef('{{s}}.toolguard_enter'::regproc);
+BEGIN
+    IF position('{_PUBLISH}' IN definition) = 0 THEN
+        RAISE EXCEPTION 'toolguard_enter no longer publishes the token as this script expects';
+    END IF;
+    EXECUTE replace(definition, '{_PUBLISH}', '');
+END $$"""
+
 #: (variant, statements that take its piece away; {s} is the variant's schema).
 VARIANTS: list[tuple[str, list[str]]] = [
     ("full", []),
@@ -65,6 +80,7 @@ VARIANTS: list[tuple[str, list[str]]] = [
                         "DROP INDEX {s}.toolguard_audit_idempotency_key",
                         "DROP INDEX {s}.toolguard_audit_intent_id"]),
     ("- row hash", ["ALTER TABLE {s}.toolguard_audit DISABLE TRIGGER toolguard_audit_row_hash"]),
+    ("- token publication", [_UNPUBLISHED]),
 ]
 
 

@@ -12,7 +12,11 @@ a lead), side by side with the expert's hand-written (d2) (``benchmarks/expert.p
   toolguard's PL/pgSQL functions run (the audit row-hash trigger's work is
   part of the audit ``INSERT``);
 * each PL/pgSQL function's total and own time per call (``track_functions``);
-* WAL bytes per call (``pg_current_wal_lsn`` before and after).
+* WAL bytes per call (``pg_current_wal_lsn`` before and after);
+* what each piece of the schema costs the server, by removal: the guarded
+  call on copies of the schema with one piece taken away each (the variants of
+  ``benchmarks/guard_costs.py``, which times the same copies from the client
+  and says what each piece is for), in alternating rounds.
 
 ``pg_stat_statements`` has to be loaded when the server starts, so the run
 starts a PostgreSQL of its own on a free loopback port (``initdb``, durable
@@ -26,15 +30,20 @@ exits 0.
 
 from __future__ import annotations
 
+import os
 import random
+import statistics
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from _harness import LEADS, lead_of  # the sibling modules
 from _stats import Table
 from guard import Setup, guard_parser
+from guard_costs import VARIANTS, strip
 from scale import PostgresServer
 
 #: What the server is started with: the statistics this table reads, durable as shipped.
@@ -42,16 +51,37 @@ SETTINGS = ("shared_preload_libraries=pg_stat_statements", "pg_stat_statements.t
             "track_functions=pl")
 
 
-def measure(admin: Any, call: Callable[[str], None], calls: int, rng: random.Random
-            ) -> tuple[dict[tuple[bool, str], float], dict[str, tuple[float, float]], float]:
-    """``calls`` calls of ``call`` after a warm-up: µs per call by (top level, statement),
-    (total, own) µs per call by function, WAL bytes per call."""
+def server_cpu(server: PostgresServer) -> Callable[[], float]:
+    """CPU seconds (user + system) used so far by every process of ``server`` but the
+    postmaster: its backends, WAL writer, checkpointer, autovacuum (``/proc``, Linux)."""
+    postmaster = int((server.dir / "data" / "postmaster.pid").read_text().split()[0])
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used() -> float:
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the process ended meanwhile
+                continue
+            if int(fields[1]) == postmaster:  # ppid; utime and stime follow at 11 and 12
+                total += int(fields[11]) + int(fields[12])
+        return total / tick
+    return used
+
+
+def measure(admin: Any, call: Callable[[str], None], calls: int, rng: random.Random,
+            cpu: Callable[[], float]) -> Measured:
+    """``calls`` calls of ``call`` after a warm-up, per call: µs by (top level, statement),
+    (total, own) µs by function, WAL bytes, the server's CPU µs."""
     for _ in range(200):
         call(lead_of(rng))
     admin.execute("SELECT pg_stat_statements_reset(), pg_stat_reset()")
     start = admin.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+    cpu_start = cpu()
     for _ in range(calls):
         call(lead_of(rng))
+    cpu_used = cpu() - cpu_start
     wal = float(admin.execute("SELECT pg_current_wal_lsn() - %s::pg_lsn", (start,)).fetchone()[0])
     time.sleep(0.6)  # backends report function statistics when idle for 0.5 s
     statements = {
@@ -62,7 +92,22 @@ def measure(admin: Any, call: Callable[[str], None], calls: int, rng: random.Ran
     functions = {name: (total * 1000 / calls, own * 1000 / calls)
                  for name, total, own in admin.execute(
                      "SELECT funcname, total_time, self_time FROM pg_stat_user_functions")}
-    return statements, functions, wal / calls
+    return Measured(statements, functions, wal / calls, cpu_used * 1e6 / calls)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One round of ``measure``, per call."""
+
+    statements: dict[tuple[bool, str], float]
+    functions: dict[str, tuple[float, float]]
+    wal: float
+    cpu_us: float
+
+    @property
+    def server_us(self) -> float:
+        """Execution time of the statements the client sent."""
+        return sum(value for (top, _), value in self.statements.items() if top)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,13 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import psycopg
 
+        cpu = server_cpu(server)
         setup = Setup(server.url, args.redis_url, uuid.uuid4().hex[:10])
         try:
             with psycopg.connect(server.url, autocommit=True) as admin:
                 admin.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-                report(admin, setup, calls, rounds, plain=args.plain)
+                report(admin, setup, calls, rounds, cpu, plain=args.plain)
         finally:
             setup.close()
+        # Shorter rounds, more of them: a checkpoint in one round moves its mean, not the median.
+        removals(server.url, args.redis_url, max(calls // 4, 100), 4 * rounds, cpu,
+                 plain=args.plain)
     except Exception as error:
         print(f"the run failed: {type(error).__name__}: {error}")
     finally:
@@ -94,18 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(admin: Any, setup: Setup, calls: int, rounds: int, *, plain: bool) -> None:
+def report(admin: Any, setup: Setup, calls: int, rounds: int, cpu: Callable[[], float], *,
+           plain: bool) -> None:
     """Both implementations in alternating rounds; the means, side by side."""
     impls = {"toolguard": setup.guarded, "expert (d2)": setup.expert.d2}
-    seen: dict[str, list[tuple[dict[tuple[bool, str], float], dict[str, tuple[float, float]],
-                               float]]] = {name: [] for name in impls}
+    seen: dict[str, list[Measured]] = {name: [] for name in impls}
     rng = random.Random(7)
     for call in impls.values():  # every lead's fence row, intent pages and plans made first
         for _ in range(3 * LEADS):
             call(lead_of(rng))
     for _ in range(rounds):
         for name, call in impls.items():
-            seen[name].append(measure(admin, call, calls, rng))
+            seen[name].append(measure(admin, call, calls, rng, cpu))
 
     def mean(values: list[float]) -> float:
         return sum(values) / len(values)
@@ -114,35 +163,83 @@ def report(admin: Any, setup: Setup, calls: int, rounds: int, *, plain: bool) ->
           f"one thread, a PostgreSQL of this run's own ({', '.join(SETTINGS)})")
     table = Table("1. execution time per call, by statement (pg_stat_statements)",
                   ["statement", "sent by", "toolguard", "expert (d2)"], plain=plain)
-    totals = {name: 0.0 for name in impls}
-    keys = sorted({key for runs in seen.values() for statements, _, _ in runs for key in statements},
+    keys = sorted({key for runs in seen.values() for run in runs for key in run.statements},
                   key=lambda key: (not key[0], key[1]))
     for top, query in keys:
-        values = [mean([statements.get((top, query), 0.0) for statements, _, _ in seen[name]])
+        values = [mean([run.statements.get((top, query), 0.0) for run in seen[name]])
                   for name in impls]
-        if top:
-            for name, value in zip(impls, values, strict=True):
-                totals[name] += value
         if max(values) >= 0.5:  # leave out what costs nothing (SET, the statistics' own reads)
             table.add_row(query[:100], "client" if top else "  a function",
                           *(f"{value:.1f} us" if value else "-" for value in values))
-    table.add_row("all the client's statements", "-", *(f"{totals[n]:.1f} us" for n in impls))
+    table.add_row("all the client's statements", "-",
+                  *(f"{mean([run.server_us for run in seen[n]]):.1f} us" for n in impls))
     table.print()
     functions = Table("2. PL/pgSQL functions per call (pg_stat_user_functions)",
                       ["function", "total", "own (without functions it calls)"], plain=plain)
-    names = sorted({f for _, fns, _ in seen["toolguard"] for f in fns})
+    names = sorted({f for run in seen["toolguard"] for f in run.functions})
     for fn in names:
-        total = mean([fns.get(fn, (0.0, 0.0))[0] for _, fns, _ in seen["toolguard"]])
-        own = mean([fns.get(fn, (0.0, 0.0))[1] for _, fns, _ in seen["toolguard"]])
+        total = mean([run.functions.get(fn, (0.0, 0.0))[0] for run in seen["toolguard"]])
+        own = mean([run.functions.get(fn, (0.0, 0.0))[1] for run in seen["toolguard"]])
         if total:
             functions.add_row(fn, f"{total:.1f} us", f"{own:.1f} us")
     functions.print()
-    wal = Table("3. WAL written per call", ["impl", "bytes", "vs expert (d2)"], plain=plain)
-    expert_wal = mean([w for _, _, w in seen["expert (d2)"]])
+    table = Table("3. WAL written and the server's CPU, per call (CPU: every server process, "
+                  "from /proc, statistics included)",
+                  ["impl", "WAL bytes", "vs expert (d2)", "server CPU", "vs expert (d2)"],
+                  plain=plain)
+    expert_wal = mean([run.wal for run in seen["expert (d2)"]])
+    expert_cpu = mean([run.cpu_us for run in seen["expert (d2)"]])
     for name in impls:
-        value = mean([w for _, _, w in seen[name]])
-        wal.add_row(name, f"{value:,.0f}", f"{value / expert_wal:.2f}x" if expert_wal else "-")
-    wal.print()
+        wal, used = mean([run.wal for run in seen[name]]), mean([run.cpu_us for run in seen[name]])
+        table.add_row(name, f"{wal:,.0f}", f"{wal / expert_wal:.2f}x" if expert_wal else "-",
+                      f"{used:.0f} us", f"{used / expert_cpu:.2f}x" if expert_cpu else "-")
+    table.print()
+
+
+def removals(server_url: str, redis_url: str, calls: int, rounds: int,
+             cpu: Callable[[], float], *, plain: bool) -> None:
+    """Section 4: the guarded call on copies of the schema with one piece taken away each
+    (``guard_costs.VARIANTS``), in alternating rounds; per call, the median over the rounds."""
+    import psycopg
+
+    variants = [*VARIANTS, ("all of them", [s for _, each in VARIANTS for s in each])]
+    setups: dict[str, Setup] = {}
+    try:
+        for name, statements in variants:
+            setups[name] = Setup(server_url, redis_url, uuid.uuid4().hex[:10], pool_size=1,
+                                 store_size=2)
+            strip(server_url, setups[name].schema, statements)
+        seen: dict[str, list[Measured]] = {name: [] for name in setups}
+        rng = random.Random(9)
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            for setup in setups.values():
+                for _ in range(3 * LEADS):  # every lead's fence row and plans made first
+                    setup.guarded(lead_of(rng))
+            for _ in range(rounds):
+                for name, setup in setups.items():
+                    seen[name].append(measure(admin, setup.guarded, calls, rng, cpu))
+    finally:
+        for setup in setups.values():
+            setup.close()
+
+    def median(name: str, figure: Callable[[Measured], float]) -> float:
+        return statistics.median(figure(run) for run in seen[name])
+
+    figures: tuple[tuple[str, Callable[[Measured], float], str], ...] = (
+        ("statement time", lambda run: run.server_us, "{:.1f} us"),
+        ("server CPU", lambda run: run.cpu_us, "{:.0f} us"),
+        ("WAL bytes", lambda run: run.wal, "{:,.0f}"))
+    table = Table("4. what each piece of the schema costs the server, by removal (the guarded "
+                  "call, per call; benchmarks/guard_costs.py says what each piece is for)",
+                  ["schema", *(c for name, _, _ in figures for c in (name, "saved"))],
+                  plain=plain)
+    for name in seen:
+        cells: list[str] = []
+        for _, figure, shown in figures:
+            value, full = median(name, figure), median("full", figure)
+            cells += [shown.format(value), "-" if name == "full" else shown.format(full - value)]
+        table.add_row(name, *cells)
+    table.print()
 
 
 if __name__ == "__main__":
