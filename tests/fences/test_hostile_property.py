@@ -46,7 +46,7 @@ def audit_count(store: GuardedStore) -> int:
         return int(conn.execute("SELECT count(*) FROM toolguard_audit").fetchone()[0])
 
 
-def settled_count(store: GuardedStore, *, quiet_s: float = 0.3, most_s: float = 5.0) -> int:
+def settled_count(store: GuardedStore, *, quiet_s: float = 1.0, most_s: float = 10.0) -> int:
     """The audit count once it has stopped moving: a request the client or the HTTP server
     cut off may have its one row written after the answer (or the reset) reached the test."""
     count, since, deadline = audit_count(store), time.monotonic(), time.monotonic() + most_s
