@@ -95,16 +95,35 @@ def test_a_denial_an_edit_and_a_small_call(harness: Any) -> None:
     assert accepted.args["amount"] == 900 and accepted.args["memo"] == "[redacted]"
 
 
-def test_the_budget_is_charged_what_the_person_approved_not_what_was_asked(harness: Any) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_budget_is_charged_what_the_person_approved_not_what_was_asked(
+        harness: Any, asynchronous: bool) -> None:
     """Quotas decide on the edited call: asked 9,500, approved as 900, so 900 is spent."""
     h = harness(POLICY)
     asked = intent("transfer", {**BIG, "amount": 9500}, call_id="q1")
-    cli(h, "approve", h.guard.run(asked, write).approval_id, "--args", '{"amount": 900}')
-    assert h.guard.run(asked, write).ok
-    small = [h.guard.run(intent("transfer", {**BIG, "amount": 1000}, call_id=f"q{n}"), write)
-             for n in range(2, 12)]
-    assert [d.ok for d in small] == [True] * 9 + [False]  # 900 + 9 x 1,000 fit in 10,000
-    assert small[-1].reason == "budget_exceeded"
+    small = [intent("transfer", {**BIG, "amount": 1000}, call_id=f"q{n}") for n in range(2, 12)]
+
+    async def awrite(ctx: Any) -> None:
+        await ctx.atx.execute(EFFECT, ("transfer", ctx.args["lead_id"], ctx.args["amount"],
+                                       ctx.intent.call_id, None))
+
+    async def scenario(run: Any) -> list[Any]:
+        request = await run(asked)
+        await asyncio.to_thread(cli, h, "approve", request.approval_id, "--args",
+                                '{"amount": 900}')
+        return [await run(call) for call in [asked, *small]]
+
+    async def on_async_edges() -> list[Any]:
+        async with h.async_edges() as guard:
+            return await scenario(lambda call: guard.arun(call, awrite))
+
+    async def sync_run(call: Any) -> Any:
+        return await asyncio.to_thread(h.guard.run, call, write)
+
+    approved, *rest = asyncio.run(on_async_edges() if asynchronous else scenario(sync_run))
+    assert approved.ok, approved.message
+    assert [d.ok for d in rest] == [True] * 9 + [False]  # 900 + 9 x 1,000 fit in 10,000
+    assert rest[-1].reason == "budget_exceeded"
     assert [row[2] for row in h.effects()] == [900] + [1000] * 9
 
 
