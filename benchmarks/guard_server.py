@@ -13,6 +13,10 @@ a lead), side by side with the expert's hand-written (d2) (``benchmarks/expert.p
   part of the audit ``INSERT``);
 * each PL/pgSQL function's total and own time per call (``track_functions``);
 * WAL bytes per call (``pg_current_wal_lsn`` before and after);
+* the server's CPU per call: user and system time of every process of the
+  server (backends, WAL writer, checkpointer, autovacuum) from ``/proc``
+  (Linux; 0 elsewhere), which the statement times leave out (protocol, commit,
+  WAL writing);
 * what each piece of the schema costs the server, by removal: the guarded
   call on copies of the schema with one piece taken away each (the variants of
   ``benchmarks/guard_costs.py``, which times the same copies from the client
