@@ -126,7 +126,32 @@ async def health(request: Request) -> PlainTextResponse:
     return PlainTextResponse("up")
 
 
-def create_app() -> Starlette:
+class InFlight:
+    """The requests this process is still serving, at ``GET /inflight`` (the tests' barrier).
+
+    A request the client or uvicorn cut off may still be running when its connection is gone;
+    its one audit row is written before the app returns. Outermost, around the fenced app,
+    it passes every message through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.serving = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] == "/inflight":
+            await PlainTextResponse(str(self.serving))(scope, receive, send)
+            return
+        self.serving += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.serving -= 1
+
+
+def create_app() -> InFlight:
     prepare()
     url, options = _options()
     store = open_async_store(url, **options, **_pool_options(url))
@@ -145,9 +170,9 @@ def create_app() -> Starlette:
               Route("/noop", noop, methods=["POST"]),
               Route("/write", write_one, methods=["POST"]),
               Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     middleware=[Middleware(FenceMiddleware, store=store,
-                                            require=lambda scope: scope["path"] != "/health")])
+    return InFlight(Starlette(routes=routes, lifespan=lifespan,
+                              middleware=[Middleware(FenceMiddleware, store=store,
+                                                     require=lambda scope: scope["path"] != "/health")]))
 
 
 def create_mcp_app() -> Any:

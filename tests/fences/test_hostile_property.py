@@ -46,16 +46,15 @@ def audit_count(store: GuardedStore) -> int:
         return int(conn.execute("SELECT count(*) FROM toolguard_audit").fetchone()[0])
 
 
-def settled_count(store: GuardedStore, *, quiet_s: float = 1.0, most_s: float = 10.0) -> int:
-    """The audit count once it has stopped moving: a request the client or the HTTP server
-    cut off may have its one row written after the answer (or the reset) reached the test."""
-    count, since, deadline = audit_count(store), time.monotonic(), time.monotonic() + most_s
-    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = audit_count(store)
-        if now != count:
-            count, since = now, time.monotonic()
-    return count
+def settled_count(store: GuardedStore, service: ServiceProcess, *, most_s: float = 30.0) -> int:
+    """The audit count once the service serves no request: one the client or the HTTP server
+    cut off may still be running after the answer (or the reset) reached the test, and it
+    writes its one row before it returns (the service's ``/inflight`` says when)."""
+    deadline = time.monotonic() + most_s
+    while (serving := int(httpx.get(service.url + "/inflight", timeout=30).text)) > 0:
+        assert time.monotonic() < deadline, f"{serving} request(s) still served after {most_s} s"
+        time.sleep(0.01)
+    return audit_count(store)
 
 
 def store_of(service: ServiceProcess) -> GuardedStore:
@@ -134,7 +133,7 @@ def check_rest(examples: int, service: ServiceProcess) -> None:
             rows = audit_count(store) - before
             assert len(body) <= MAX_ANSWER_BYTES, (status, len(body))
             if status == 0:  # reset before an answer arrived: at most the one row
-                assert settled_count(store) - before in (0, 1)
+                assert settled_count(store, service) - before in (0, 1)
                 return
             ours = b"content-type: application/problem+json" in head
             if ours:
@@ -147,7 +146,7 @@ def check_rest(examples: int, service: ServiceProcess) -> None:
                 assert rows == 1, (status, rows, body[:300])
             else:  # the HTTP server refused the bytes: before the app (no row), or while the
                 # body was read (the middleware's request_incomplete row, its answer unsent)
-                rows = settled_count(store) - before
+                rows = settled_count(store, service) - before
                 assert rows in (0, 1), (status, rows, body[:300])
 
         check()
