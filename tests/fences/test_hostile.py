@@ -273,7 +273,7 @@ def test_a_lock_server_behind_the_services_fence_is_refused_then_reseeded_from_i
     ahead = 2**52  # above every hybrid-clock token until the year 2112
     assert httpx.post(f"{service.url}/leads/{lead}/score", json={"score": 1},
                       headers=fenced({key: ahead}, "ahead#1")).status_code == 201
-    guard = make_guard(tmp_path, "a", redis_url)
+    guard = make_guard(tmp_path, "a", redis_url, ttl_ms=3_000)  # the re-seed waits one TTL
     http = FencedClient(base_url=service.url)
 
     @guarded(guard, agent="scorer")
@@ -302,7 +302,7 @@ def test_a_service_fence_past_exact_tokens_is_never_reseeded_from(service, servi
     key = f"lead:{lead}"
     assert httpx.post(f"{service.url}/leads/{lead}/score", json={"score": 1},
                       headers=fenced({key: 2**62}, "far#1")).status_code == 201
-    guard = make_guard(tmp_path, "a", redis_url)
+    guard = make_guard(tmp_path, "a", redis_url, ttl_ms=3_000)  # the re-seed waits one TTL
     http = FencedClient(base_url=service.url)
 
     @guarded(guard, agent="scorer")

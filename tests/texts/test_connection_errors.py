@@ -60,14 +60,18 @@ def password_postgres() -> Iterator[PgServer]:
 # in whichever later test's event loop the collection happens to run (a blocking join).
 
 
+#: How long a user here waits for a server: a refusal is immediate, an outage takes this long.
+SHORT_S = 3
+
+
 def _acquire(url: str) -> None:
-    with connect(url, timeout_s=5) as locks, locks.acquire(["texts:k"], ttl_ms=5_000):
+    with connect(url, timeout_s=SHORT_S) as locks, locks.acquire(["texts:k"], ttl_ms=5_000):
         pass
 
 
 def _aacquire(url: str) -> None:
     async def main() -> None:
-        locks = connect_async(url, timeout_s=5)
+        locks = connect_async(url, timeout_s=SHORT_S)
         try:
             async with locks.acquire(["texts:k"], ttl_ms=5_000):
                 pass
@@ -78,13 +82,13 @@ def _aacquire(url: str) -> None:
 
 
 def _store(url: str) -> None:
-    with open_store(url) as store:
+    with open_store(url, timeout_s=SHORT_S) as store:
         store.schema_version()
 
 
 def _astore(url: str) -> None:
     async def main() -> None:
-        store = open_async_store(url)
+        store = open_async_store(url, timeout_s=SHORT_S)
         try:
             await store.schema_version()
         finally:
