@@ -88,6 +88,7 @@ from toolguard.runtime.connection_errors import (
     postgres_probe_options,
     redacted_url,
 )
+from toolguard.runtime.postgres_pool import AsyncRecentFirstPool, RecentFirstPool
 
 __all__ = [
     "SCHEMA",
@@ -197,7 +198,7 @@ class PostgresBackend:
             self._check_first_contact()
             with self._lock:
                 if self._pool is None:
-                    self._pool = ConnectionPool(
+                    self._pool = RecentFirstPool(
                         self.url, min_size=self.min_size, max_size=self.max_size,
                         kwargs={"autocommit": True, **self.connect_options},
                         timeout=self.timeout_s, open=True, name="toolguard-locks")
@@ -447,7 +448,7 @@ class AsyncPostgresBackend:
             async with self._opening:
                 if self._pool is None:
                     await asyncio.to_thread(self.sync._get_pool)  # schema, once per database
-                    pool = AsyncConnectionPool(
+                    pool = AsyncRecentFirstPool(
                         self.sync.url, min_size=self.sync.min_size, max_size=self.sync.max_size,
                         kwargs={"autocommit": True, **self.sync.connect_options},
                         timeout=self.sync.timeout_s, open=False, name="toolguard-locks-async")

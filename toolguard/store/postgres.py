@@ -69,6 +69,7 @@ from toolguard.errors import BackendUnavailable
 from toolguard.runtime.cancellation import finish
 from toolguard.runtime.connection_errors import postgres_probe_options
 from toolguard.runtime.connection_errors import redacted_url as redact
+from toolguard.runtime.postgres_pool import AsyncRecentFirstPool, RecentFirstPool
 from toolguard.store.autoseal import DEFAULT_AUTOSEAL, AutoSeal, AutoSealer
 from toolguard.store.base import (
     AsyncFencedTransaction,
@@ -237,7 +238,7 @@ class PostgresStore(_PgBase):
         self.sealer = AutoSealer(functools.partial(
             self.seal_audit, wait_s=autoseal.wait_s if autoseal else 0.0), autoseal,
             name="toolguard-autoseal-pg")
-        self._pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
+        self._pool: ConnectionPool[psycopg.Connection[Any]] = RecentFirstPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
             kwargs=_connection_options(prepare_threshold), configure=self._configure,
             name=f"toolguard-store{'-' + schema if schema else ''}")
@@ -425,7 +426,7 @@ class AsyncPostgresStore(_PgBase):
         #: ``install=True``: the schema is installed (or upgraded) before the first operation.
         self._install_pending = install
         self._install_lock = asyncio.Lock()
-        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncRecentFirstPool(
             url, min_size=min_size, max_size=max_size, timeout=timeout_s, open=False,
             kwargs=_connection_options(prepare_threshold), configure=self._configure,
             name=f"toolguard-astore{'-' + schema if schema else ''}")
