@@ -15,7 +15,11 @@ durable settings as shipped, no statistics extensions):
   every optional piece taken away (``benchmarks/guard_costs.py``'s variants);
 * the expert's (d2) transaction of ``benchmarks/expert.py`` (pipeline mode,
   prepared statements);
-* the bare transaction: ``BEGIN``, the ``UPDATE``, ``COMMIT``.
+* the bare transaction: ``BEGIN``, the ``UPDATE``, ``COMMIT``;
+* toolguard's and the expert's transactions again, each taking a connection of
+  a pool of 12 for every transaction: psycopg_pool's own ``ConnectionPool``
+  (it hands out the connection idle longest, so one thread goes round all
+  twelve) and, for toolguard, the ``RecentFirstPool`` its store uses.
 
 For each: the client thread's CPU (``thread_time``) and the server's CPU (every
 server process, from ``/proc``) per transaction, medians over rounds in a
@@ -40,14 +44,17 @@ from _stats import Table, fmt_ratio, ratio
 from guard import UPDATE, guard_parser
 from guard_costs import VARIANTS, strip
 from guard_server import server_cpu
+from psycopg_pool import ConnectionPool
 from scale import PostgresServer
 
+from toolguard.runtime.postgres_pool import RecentFirstPool
 from toolguard.store import open_store
 from toolguard.store.postgres_literals import _hot_cursor
 from toolguard.store.postgres_sql import ENTER_TX, FINISH_TX, text_array
 
 LEADS = 1000
 WARM_UP = 300
+POOL = 12
 ARGS = json.dumps({"delta": 1, "lead_id": "lead"}, separators=(",", ":"))
 
 
@@ -55,6 +62,8 @@ class Transactions:
     """One connection per schema on ``server``, and the transactions measured on them."""
 
     def __init__(self, url: str) -> None:
+        self.url = url
+        self.pools: list[ConnectionPool[Any]] = []
         for schema in ("installed", "bare"):
             open_store(url, install=True, schema=schema, min_size=1, max_size=1).close()
         strip(url, "bare", [statement for _, each in VARIANTS for statement in each])
@@ -74,34 +83,51 @@ class Transactions:
         return conn
 
     def close(self) -> None:
+        for pool in self.pools:
+            pool.close()
         for conn in self.conns.values():
             conn.close()
+
+    def pooled(self, schema: str, kind: type[ConnectionPool[Any]],
+               transaction: Callable[[psycopg.Connection[Any], str], None]
+               ) -> Callable[[str], None]:
+        """``transaction`` on a connection of a pool of ``POOL`` for each call."""
+        pool = kind(self.url, min_size=POOL, max_size=POOL, open=True,
+                    kwargs={"autocommit": True, "options": f"-c search_path={schema}"})
+        pool.wait()
+        self.pools.append(pool)
+
+        def call(lead: str) -> None:
+            with pool.connection() as conn:
+                transaction(conn, lead)
+        return call
 
     def next_token(self) -> int:
         self.token += 1
         return self.token
 
     def toolguard(self, schema: str) -> Callable[[str], None]:
-        """toolguard's two messages around the tool's UPDATE, as its session sends them."""
-        conn = self.conns[schema]
+        return lambda lead: self.toolguard_on(self.conns[schema], lead)
 
-        def call(lead: str) -> None:
-            key, token, intent = f"lead:{lead}", self.next_token(), uuid.uuid4().hex
-            keys, tokens = text_array([key]), json.dumps({key: token})
-            enter = _hot_cursor(conn, "_toolguard_enter")
-            enter.execute(ENTER_TX, (keys, f"{{{token}}}", intent, "add_score", "scorer", "run",
-                                     "0" * 64, keys), prepare=False)
-            enter.nextset()
-            enter.fetchone()
-            (score,) = conn.execute(UPDATE, (1, lead)).fetchone()  # type: ignore[misc]
-            _hot_cursor(conn, "_toolguard_finish").execute(FINISH_TX, (
-                intent, json.dumps(score), tokens, "scorer", "add_score", intent, intent, "run",
-                "accepted", "applied", keys, tokens, ARGS, None, 1.5, 1, "v1"), prepare=False)
-        return call
+    def toolguard_on(self, conn: psycopg.Connection[Any], lead: str) -> None:
+        """toolguard's two messages around the tool's UPDATE, as its session sends them."""
+        key, token, intent = f"lead:{lead}", self.next_token(), uuid.uuid4().hex
+        keys, tokens = text_array([key]), json.dumps({key: token})
+        enter = _hot_cursor(conn, "_toolguard_enter")
+        enter.execute(ENTER_TX, (keys, f"{{{token}}}", intent, "add_score", "scorer", "run",
+                                 "0" * 64, keys), prepare=False)
+        enter.nextset()
+        enter.fetchone()
+        (score,) = conn.execute(UPDATE, (1, lead)).fetchone()  # type: ignore[misc]
+        _hot_cursor(conn, "_toolguard_finish").execute(FINISH_TX, (
+            intent, json.dumps(score), tokens, "scorer", "add_score", intent, intent, "run",
+            "accepted", "applied", keys, tokens, ARGS, None, 1.5, 1, "v1"), prepare=False)
 
     def d2(self, lead: str) -> None:
+        self.d2_on(self.conns["expert"], lead)
+
+    def d2_on(self, conn: psycopg.Connection[Any], lead: str) -> None:
         """The expert's (d2) transaction (``expert.Expert._transaction``), without its lock."""
-        conn = self.conns["expert"]
         key, token, intent = f"lead:{lead}", self.next_token(), uuid.uuid4().hex
         with conn.pipeline() as pipe:
             conn.execute("BEGIN")
@@ -155,6 +181,12 @@ def measure(transactions: Transactions, cpu: Callable[[], float], calls: int, ro
         "toolguard, optional pieces removed": transactions.toolguard("bare"),
         "expert (d2)": transactions.d2,
         "bare transaction": transactions.bare,
+        f"toolguard, pool of {POOL} (psycopg_pool's order)": transactions.pooled(
+            "installed", ConnectionPool, transactions.toolguard_on),
+        f"toolguard, pool of {POOL} (RecentFirstPool)": transactions.pooled(
+            "installed", RecentFirstPool, transactions.toolguard_on),
+        f"expert (d2), pool of {POOL} (psycopg_pool's order)": transactions.pooled(
+            "expert", ConnectionPool, transactions.d2_on),
     }
     rng = random.Random(7)
     for call in impls.values():  # every lead's fence row exists before the measured rounds
