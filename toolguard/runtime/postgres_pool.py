@@ -4,11 +4,11 @@ psycopg_pool hands out the connection that has been idle longest, so a thread
 calling one at a time goes round every connection of the pool, and each call
 meets a server process whose caches went cold while the others ran. The
 store's two messages are parsed and planned on every call, and pay for it
-most: ``benchmarks/guard_sql.py`` shows the server's CPU per transaction in
-both orders, and ``benchmarks/guard.py`` the guarded call's latency. The most
-recently returned connection is the warm one: these pools take it first and
-leave the rest idle, where the pool's own shrinking (``max_idle``) closes the
-one idle longest, as before.
+most (``benchmarks/guard_sql.py`` shows the server's CPU per transaction in
+both orders). The most recently returned connection is the warm one: these
+pools take it first and leave the rest idle, where the pool's own shrinking
+(``max_idle``) closes the one idle longest, as before. redis-py's pool already
+hands out the connection returned last.
 
 Only the order changes. Waiting clients, checks, growth, shrinking and
 reconnection are psycopg_pool's own: before psycopg_pool takes the first idle
