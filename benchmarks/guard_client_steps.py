@@ -184,10 +184,15 @@ def read_raw(path: Path) -> dict[str, int]:
     return stacks
 
 
+def py_spy() -> str | None:
+    """The py-spy executable: on PATH, else beside this interpreter; None if neither."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
 @contextlib.contextmanager
-def sampled(rate: int, out: Path) -> Iterator[None]:
-    """py-spy records this process at ``rate`` Hz into ``out`` while the block runs."""
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+def sampled(spy: str, rate: int, out: Path) -> Iterator[None]:
+    """``spy`` (py-spy) records this process at ``rate`` Hz into ``out`` while the block runs."""
     process = subprocess.Popen(
         [spy, "record", "--pid", str(os.getpid()), "--rate", str(rate), "--format", "raw",
          "--full-filenames", "--nolineno", "--nonblocking", "--output", str(out)],
@@ -214,14 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     calls = args.calls if args.calls is not None else (100 if args.quick else 500)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 12)
-    if not (shutil.which("py-spy") or Path(sys.executable).with_name("py-spy").exists()):
+    spy = py_spy()
+    if spy is None:
         print("py-spy is not installed (pip install py-spy): nothing to sample with")
         return 0
     setup = open_setup(args.database_url, args.redis_url)
     if setup is None:
         return 0
     try:
-        run(setup, calls, rounds, args.rate, plain=args.plain)
+        run(setup, spy, calls, rounds, args.rate, plain=args.plain)
     except RuntimeError as error:
         print(error)
     finally:
@@ -229,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(setup: Setup, calls: int, rounds: int, rate: int, *, plain: bool) -> None:
+def run(setup: Setup, spy: str, calls: int, rounds: int, rate: int, *,
+        plain: bool) -> None:
     impls: dict[str, Callable[[str], None]] = {
         "guarded call": setup.guarded, "primitives, no guard": primitives(setup),
         "expert (d2)": setup.expert.d2}
@@ -241,7 +248,7 @@ def run(setup: Setup, calls: int, rounds: int, rate: int, *, plain: bool) -> Non
     order = list(impls)
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "samples.txt"
-        with sampled(rate, out):
+        with sampled(spy, rate, out):
             for number in range(rounds):
                 for name in order[number % len(order):] + order[:number % len(order)]:
                     with clocks[name].installed():
