@@ -34,20 +34,19 @@ exits 0.
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from _harness import LEADS, lead_of  # the sibling modules
 from _stats import Table
 from guard import Setup, guard_parser
 from guard_costs import VARIANTS, strip
+from guard_cpu import children_cpu
 from scale import PostgresServer
 
 #: What the server is started with: the statistics this table reads, durable as shipped.
@@ -59,19 +58,7 @@ def server_cpu(server: PostgresServer) -> Callable[[], float]:
     """CPU seconds (user + system) used so far by every process of ``server`` but the
     postmaster: its backends, WAL writer, checkpointer, autovacuum (``/proc``, Linux)."""
     postmaster = int((server.dir / "data" / "postmaster.pid").read_text().split()[0])
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def used() -> float:
-        total = 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:  # the process ended meanwhile
-                continue
-            if int(fields[1]) == postmaster:  # ppid; utime and stime follow at 11 and 12
-                total += int(fields[11]) + int(fields[12])
-        return total / tick
-    return used
+    return lambda: children_cpu(postmaster)
 
 
 def measure(admin: Any, call: Callable[[str], None], calls: int, rng: random.Random,
