@@ -114,6 +114,13 @@ def throughput(call: Callable[[str], None], seconds: float, agents: int = AGENTS
     return Load(len(latencies), elapsed, latencies)
 
 
+def rotated(names: list[str], turn: int) -> list[str]:
+    """``names`` starting ``turn`` places further on, so each round of interleaved
+    measurements starts with another implementation."""
+    shift = turn % len(names)
+    return names[shift:] + names[:shift]
+
+
 def throughput_rounds(impls: dict[str, Callable[[str], None]], seconds: float,
                       segments: int) -> dict[str, Load]:
     """Each implementation's ``seconds`` cut into ``segments`` interleaved (rotated) runs,
@@ -121,8 +128,7 @@ def throughput_rounds(impls: dict[str, Callable[[str], None]], seconds: float,
     parts: dict[str, list[Load]] = {name: [] for name in impls}
     names = list(impls)
     for segment in range(segments):
-        shift = segment % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, segment):
             parts[name].append(throughput(impls[name], seconds / segments))
     return {name: Load(sum(p.calls for p in loads), sum(p.elapsed for p in loads),
                        [x for p in loads for x in p.latencies])

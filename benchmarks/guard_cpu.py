@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import AGENTS, throughput
+from _harness import AGENTS, rotated, throughput
 from _stats import Table, fmt_rate, fmt_ratio, ratio
 from guard import Setup, guard_parser
 
@@ -116,8 +116,7 @@ def measure(meters: Meters, impls: dict[str, Callable[[str], None]], seconds: fl
     tallies = {name: Tally() for name in impls}
     names = list(impls)
     for segment in range(segments):
-        shift = segment % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, segment):
             before = meters.read()
             load = throughput(impls[name], seconds / segments, agents)
             after = meters.read()

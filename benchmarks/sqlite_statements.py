@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import lead_of, run_arguments
+from _harness import lead_of, rotated, run_arguments
 from _stats import Table, fmt_ratio, fmt_s, ratio
 
 #: (executions, seconds) by statement text (whitespace folded, first 100 characters), the
@@ -79,8 +79,7 @@ def measure(impls: dict[str, Callable[[str], None]], calls: int,
         name: (0, 0.0, {}) for name in impls}
     names = list(impls)
     for number in range(rounds):
-        shift = number % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, number):
             leads = [lead_of(rng) for _ in range(calls)]
             SPENT.clear()
             started = time.perf_counter()
