@@ -42,14 +42,17 @@ __all__ = [
     "PolicyProblems",
     "QuotaExceeded",
     "RateLimited",
+    "ReadCheckFailed",
     "RecordNotFound",
     "StaleFencingToken",
+    "StaleRead",
     "StoreError",
     "TooManyRows",
     "ToolGuardError",
     "UnknownApproval",
     "UnknownTool",
     "UnknownToolWarning",
+    "Unread",
     "is_control_flow",
 ]
 
@@ -271,6 +274,34 @@ class UnknownTool(IntentRejected):
 
 class OutOfOrder(IntentRejected):
     reason = "out_of_order"
+
+
+class ReadCheckFailed(IntentRejected):
+    """A write whose decision rests on reads that are missing or out of date: nothing applied.
+
+    ``keys`` are the keys at fault; ``model_words`` is what the model reads
+    (which keys, and to read again and decide again: no versions, agents or
+    intents), the message is the operator's (the versions and the write in between).
+    """
+
+    reason = "read_check_failed"
+
+    def __init__(self, message: str, *, keys: tuple[str, ...] = (), model_words: str = "") -> None:
+        super().__init__(message)
+        self.keys = keys
+        self.model_words = model_words
+
+
+class StaleRead(ReadCheckFailed):
+    """A key this caller read (or decides on) was written by someone else since it read it."""
+
+    reason = "stale_read"
+
+
+class Unread(ReadCheckFailed):
+    """A write that needs a current read of a key (``requires_read``, ``decides_on``) has none."""
+
+    reason = "unread"
 
 
 # --- production controls: kill switch, quotas, approvals ---------------------------------

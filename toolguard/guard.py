@@ -65,6 +65,7 @@ from toolguard.steps.order import await_order, wait_for_order
 from toolguard.steps.pause import acheck_pause, check_pause
 from toolguard.steps.prepared import Prepared, accepted, unknown, unvalidated_unknown
 from toolguard.steps.quota import aadmit, admit, aheld, held
+from toolguard.steps.reads import aread, read, read_check, shadow_row
 from toolguard.steps.schema import SchemaCheck
 from toolguard.steps.shadow import ShadowRow
 from toolguard.steps.validate import facts_of, prepare
@@ -347,6 +348,8 @@ class ToolGuard:
                  call: telemetry.Call, locks: LockManager, store: GuardedStore) -> Decision:
         intent = state.intent
         wait_for_order(store, prepared, call)
+        if prepared.reads:  # its row is written with its observation, in the read's transaction
+            return call.decided(read(store, intent, prepared, execute, call))
         if not prepared.keys:
             with bind(context_of(intent, prepared, None)) as ctx, call.step(telemetry.SPAN_TOOL):
                 result = execute(ctx)
@@ -356,8 +359,12 @@ class ToolGuard:
         body = Body(intent, prepared, call)
         outcome = run_fenced(locks, store, prepared.keys, body.sync(execute),
                              intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
-                             timeout_s=prepared.rule.wait_timeout_s)
-        return call.decided(body.decision(outcome))
+                             timeout_s=prepared.rule.wait_timeout_s,
+                             reads=read_check(state.policy, prepared, state.enforcement.shadow))
+        decision = call.decided(body.decision(outcome))
+        if body.would_refuse is not None:
+            self._audit_entry(shadow_row(state.entry(decision), body.would_refuse), call)
+        return decision
 
     def _asked(self, state: _Call, asked: ApprovalRequired, call: telemetry.Call) -> None:
         """A request for approval was made: its row (the call waits, as ``approval_required``)."""
@@ -477,6 +484,10 @@ class ToolGuard:
                         locks: AsyncLockManager, store: AsyncGuardedStore) -> Decision:
         intent = state.intent
         await await_order(store, prepared, call)
+        if prepared.reads:  # its row is written with its observation, in the read's transaction
+            decision = call.decided(await aread(store, intent, prepared, execute, call))
+            state.decided = True
+            return decision
         if not prepared.keys:
             with bind(context_of(intent, prepared, None)) as ctx, call.step(telemetry.SPAN_TOOL):
                 result = await execute(ctx)
@@ -486,8 +497,14 @@ class ToolGuard:
         body = Body(intent, prepared, call)
         outcome = await arun_fenced(locks, store, prepared.keys, body.asynchronous(execute),
                                     intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
-                                    timeout_s=prepared.rule.wait_timeout_s)
-        return call.decided(body.decision(outcome))
+                                    timeout_s=prepared.rule.wait_timeout_s,
+                                    reads=read_check(state.policy, prepared,
+                                                     state.enforcement.shadow))
+        decision = call.decided(body.decision(outcome))
+        if body.would_refuse is not None:
+            state.decided = True  # the call's own row is written (the commit wrote it)
+            await self._aaudit_entry(shadow_row(state.entry(decision), body.would_refuse), call)
+        return decision
 
     async def _arecord_unknown(self, state: _Call, error: BaseException,
                                call: telemetry.Call) -> None:

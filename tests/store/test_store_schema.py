@@ -31,9 +31,9 @@ EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
                                       (3, "003_stale_blockers_exact_results"), (4, "004_controls"),
                                       (5, "005_tamper_evident_audit"), (6, "006_replay_keeps_intent"),
                                       (7, "007_policy_versions"), (8, "008_hot_path"),
-                                      (9, "009_one_finish")],
+                                      (9, "009_one_finish"), (10, "010_reads")],
                        "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit"),
-                                  (4, "004_policy_versions")]}
+                                  (4, "004_policy_versions"), (5, "005_reads")]}
 
 
 def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:
@@ -601,3 +601,26 @@ def test_example_errors_map_to_typed_exceptions_in_fenced(postgres_url: str, uni
     finally:
         store.close()
         drop_schema(postgres_url, schema)
+
+
+def test_pg_010_versions_and_reads(pg: psycopg.Connection[Any]) -> None:
+    """Version 10: an accepted write advances its keys' versions (toolguard_finish), the read
+    check locks and reports them, and an observation records what a caller saw; installed
+    twice on top of 009."""
+    _install_files(pg, 9)
+    _apply_twice(pg, "010_reads.sql", 10)
+    enter = ("SELECT * FROM toolguard_enter(ARRAY['lead:1'], ARRAY[%s]::bigint[], %s, 't', "
+             "'agent', NULL, 'h')")
+    audit = ("agent", "t", "call-1", "k", None, "accepted", "applied", ["lead:1"],
+             '{"lead:1": 1}', None, None, 1.5, 1, None)
+    pg.execute("SELECT toolguard_observe('c', ARRAY['lead:1'], ARRAY[0]::bigint[])")
+    for n in (1, 2):
+        with pg.transaction():
+            pg.execute(enter, (1, f"k{n}"))
+            pg.execute(FINISH, (f"k{n}", "1", '{"lead:1": 1}', *audit))
+    assert pg.execute("SELECT version, agent, intent_id FROM toolguard_version "
+                      "WHERE key = 'lead:1'").fetchone() == (2, "agent", "call-1")
+    with pg.transaction():
+        found = pg.execute("SELECT key, decided, observed, current FROM toolguard_read_check("
+                           "'c', ARRAY['lead:1'], ARRAY['lead:2'], 600, 1000)").fetchall()
+    assert found == [("lead:1", False, 0, 2), ("lead:2", True, None, 0)]

@@ -85,6 +85,11 @@ MODEL_TEXTS: Mapping[str, str] = {
                       "was run. Tell the user.",
     "lease_lost": _TRY_AGAIN,
     "not_owned": _TRY_AGAIN,
+    "stale_read": "a record this decision rests on changed since it was read; nothing was "
+                  "written. Read it again, decide again from what it says now, then send the "
+                  "new call.",
+    "unread": "this call writes a record without a current read of it; nothing was written. "
+              "Read the record first, decide from what it says, then send the call.",
     "stale_fencing_token": "another call on this resource wrote first; nothing was written. "
                            "Read the resource again before retrying.",
     "idempotency_conflict": "this tool-call id was already used with other arguments; "
@@ -96,6 +101,7 @@ MODEL_TEXTS: Mapping[str, str] = {
     "cancelled": "the call was cancelled before it finished, so whether it applied is not "
                  "known yet. Send the same call again: it is applied at most once.",
     "applied": "the call was applied.",
+    "read": "the call was read.",
     "duplicate": "this call had already been applied; the result recorded then is returned and "
                  "nothing ran again.",
 }
@@ -169,6 +175,9 @@ def _template(kind: str) -> str:
 def _words(kind: str, reason: str, message: str | None, error: BaseException | None) -> str:
     """The part of the model's text after the reason code."""
     fixed = MODEL_TEXTS.get(reason, _GENERIC)
+    words = getattr(error, "model_words", None)
+    if kind == "rejected" and isinstance(words, str) and words:  # the call's own, model-safe
+        return storable_text(words, MODEL_WORDS_LIMIT) or fixed
     if kind not in ("rejected", "failed"):  # a success, or an outcome not known yet
         return _GENERIC if fixed == CALL_WORDS else fixed
     if fixed == CALL_WORDS and (kind == "rejected" or reason == ToolFailed.reason):

@@ -45,7 +45,7 @@ _BOUNDED = frozenset({"name", "id", "agent"})
 def untrusted_intent(*, tool: Any, args: Any = None, call_id: Any = None, agent: Any = None,
                      thread_id: Any = None, checkpoint_ns: Any = None, checkpoint_id: Any = None,
                      run_id: Any = None, node_attempt: Any = 1, origin: Origin = "model",
-                     expected_tool: str | None = None) -> Intent:
+                     expected_tool: str | None = None, conversation: Any = None) -> Intent:
     """An ``Intent`` from an envelope of any shape; never raises.
 
     ``expected_tool`` is the tool an adapter bound to one tool stands for (a
@@ -53,13 +53,14 @@ def untrusted_intent(*, tool: Any, args: Any = None, call_id: Any = None, agent:
     policy of the named tool would be applied to this tool's body.
     """
     thread_id, run_id = _host_id(thread_id), _host_id(run_id)
-    texts = (call_id, agent, thread_id, run_id, checkpoint_ns, checkpoint_id)
+    texts = (call_id, agent, thread_id, run_id, checkpoint_ns, checkpoint_id, conversation)
     if (type(tool) is str and (expected_tool is None or tool == expected_tool)
             and all(v is None or type(v) is str for v in texts)
             and type(node_attempt) is int and node_attempt >= 0):
         # The common case, on every call: every type is one an Intent holds.
         flow = WorkflowIdentity(thread_id=thread_id, checkpoint_ns=checkpoint_ns or "",
-                                checkpoint_id=checkpoint_id, run_id=run_id)
+                                checkpoint_id=checkpoint_id, run_id=run_id,
+                                conversation=conversation)
         return Intent(tool=tool, args={} if args is None else args, call_id=call_id,
                       agent=agent, workflow=flow, node_attempt=node_attempt, origin=origin)
     problems: list[str] = []
@@ -83,6 +84,7 @@ def untrusted_intent(*, tool: Any, args: Any = None, call_id: Any = None, agent:
         checkpoint_ns=take(checkpoint_ns, "checkpoint namespace", "") or "",
         checkpoint_id=take(checkpoint_id, "checkpoint id", None),
         run_id=take(run_id, "run id", None),
+        conversation=take(conversation, "conversation", None),
     )
     attempt = node_attempt
     if type(attempt) is not int or attempt < 0:

@@ -65,6 +65,9 @@ class WorkflowIdentity(BaseModel):
     (``scorer:<task id>|tools:<task id>``; the task ids change every superstep),
     ``run_id`` identifies one invocation (the fallback without a checkpointer).
     ``checkpoint_id`` is kept for the audit log only: it changes on every step.
+    ``conversation`` names whose reads a write is checked against, with the agent
+    (``toolguard.store.reads.caller_of``); None: the thread, else the run; ``""``:
+    the agent alone (the MCP gateway without a client-named thread).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -73,6 +76,7 @@ class WorkflowIdentity(BaseModel):
     checkpoint_ns: str = ""
     checkpoint_id: str | None = None
     run_id: str | None = None
+    conversation: str | None = None
 
 
 class Intent(BaseModel):

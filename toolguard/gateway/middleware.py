@@ -70,6 +70,9 @@ __all__ = [
 ]
 
 IDEMPOTENCY_META_KEY = "toolguard/idempotency-key"
+#: The conversation a client names: the agent's reads in it are checked when it writes (without
+#: it, the agent's reads count across its sessions).
+THREAD_META_KEY = "toolguard/thread"
 REPLAYED_META_KEY = "toolguard/replayed"
 DECISION_META_KEY = "toolguard/decision"
 REASON_META_KEY = "toolguard/reason"
@@ -203,8 +206,10 @@ class GatewayMiddleware(Middleware):
         else:
             call_id = request_id
             thread = f"mcp-session:{session}"
+        conversation = downstream.get(THREAD_META_KEY, "")
         intent = untrusted_intent(tool=context.message.name, args=context.message.arguments or {},
-                                  call_id=call_id, agent=agent, thread_id=thread)
+                                  call_id=call_id, agent=agent, thread_id=thread,
+                                  conversation=conversation)
         problem = _meta_problem(downstream)
         if problem is not None and intent.problem is None:
             intent = intent.model_copy(update={"problem": problem})
@@ -288,18 +293,23 @@ def may_call(policy: Policy, tool: str, agent: str | None) -> bool:
     return True
 
 
+#: The ``toolguard/*`` ``_meta`` entries a client may set.
+_CLIENTS = (IDEMPOTENCY_META_KEY, THREAD_META_KEY)
+
+
 def _meta_problem(meta: Mapping[str, Any]) -> str | None:
     """What is wrong with the client's ``toolguard/*`` ``_meta`` entries (None: nothing)."""
     for key in meta:
-        if not isinstance(key, str) or not key.startswith(_OURS) or key == IDEMPOTENCY_META_KEY:
+        if not isinstance(key, str) or not key.startswith(_OURS) or key in _CLIENTS:
             continue
         if key in META_KEYS.values() or key == REPLAYED_META_KEY:
             return (f"_meta.{key}: set by the gateway, never by the client (fences, agent and "
                     f"intent come from toolguard)")
         return f"_meta: unknown toolguard entry {key[:64]!r}"
-    given: Any = meta.get(IDEMPOTENCY_META_KEY)
-    if given is not None and not isinstance(given, str):
-        return f"_meta.{IDEMPOTENCY_META_KEY}: expected a string"
+    for key in _CLIENTS:
+        given: Any = meta.get(key)
+        if given is not None and not isinstance(given, str):
+            return f"_meta.{key}: expected a string"
     return None
 
 

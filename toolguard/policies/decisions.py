@@ -31,16 +31,18 @@ from toolguard.errors import (
 )
 from toolguard.policies.model import ANY_AGENT, ArgConstraint, Policy, ToolPolicy
 from toolguard.policies.paths import MISSING, STAR, FieldPath
-from toolguard.policies.templates import escape_text
+from toolguard.policies.templates import KeyTemplate, escape_text
 
 __all__ = [
     "REDACTED",
     "authorize",
     "check_constraints",
+    "decided_keys",
     "idempotency_key",
     "lock_keys",
     "lookup_tool",
     "ordering_keys",
+    "read_keys",
     "redact",
     "redacted_args",
 ]
@@ -154,11 +156,25 @@ def lock_keys(tool: ToolPolicy, args: Args) -> tuple[str, ...]:
     with no key at all (e.g. ``{ids[*]}`` over an empty list): running it
     unlocked would be a silent hole.
     """
+    return _rendered(tool.locks, args, "lock")
+
+
+def read_keys(tool: ToolPolicy, args: Args) -> tuple[str, ...]:
+    """The keys a read (``reads:``) observes, rendered as ``lock_keys`` renders locks."""
+    return _rendered(tool.reads, args, "read")
+
+
+def decided_keys(tool: ToolPolicy, args: Args) -> tuple[str, ...]:
+    """The keys a write's decision rests on (``decides_on:``), rendered as ``lock_keys``."""
+    return _rendered(tool.decides_on, args, "decides_on")
+
+
+def _rendered(templates: tuple[KeyTemplate, ...], args: Args, what: str) -> tuple[str, ...]:
     data = json_args(args)
-    keys = {key for template in tool.locks for key in template.render(data)}
-    if tool.locks and not keys:
-        fields = ", ".join(str(path) for template in tool.locks for path in template.fields)
-        msg = f"args: no lock key could be rendered (empty list in {fields})"
+    keys = {key for template in templates for key in template.render(data)}
+    if templates and not keys:
+        fields = ", ".join(str(path) for template in templates for path in template.fields)
+        msg = f"args: no {what} key could be rendered (empty list in {fields})"
         raise InvalidArguments(msg)
     return tuple(sorted(keys))
 

@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     PrivateAttr,
     StrictBool,
@@ -46,6 +47,7 @@ __all__ = [
     "Location",
     "Policy",
     "Problem",
+    "StaleReadMode",
     "ToolPolicy",
     "UnknownToolMode",
 ]
@@ -54,6 +56,9 @@ __all__ = [
 ANY_AGENT = "*"
 
 UnknownToolMode = Literal["deny", "allow"]
+#: What a write whose decision rests on a stale or missing read gets (``stale_reads:``):
+#: refused, or applied with the would-be refusal audited (to measure before enforcing).
+StaleReadMode = Literal["refuse", "shadow"]
 Number = StrictInt | StrictFloat
 Scalar = StrictStr | StrictInt | StrictFloat | StrictBool | None
 
@@ -236,6 +241,11 @@ class ToolPolicy(BaseModel):
     approval: ApprovalSetting = None
     quotas: QuotaList = ()
     mode: Mode = "enforce"
+    reads: tuple[KeyTemplate, ...] = ()
+    requires_read: StrictBool = False
+    decides_on: tuple[KeyTemplate, ...] = ()
+    stale_reads: StaleReadMode = "refuse"
+    read_ttl_s: PositiveFloat = 600.0
 
     _name: str = PrivateAttr(default="")
 
@@ -269,7 +279,8 @@ class ToolPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _redacted_not_in_keys(self) -> Self:
-        templates = [*self.locks, *([self.idempotency_key] if self.idempotency_key else [])]
+        templates = [*self.locks, *self.reads, *self.decides_on,
+                     *([self.idempotency_key] if self.idempotency_key else [])]
         for secret in self.redact:
             for template in templates:
                 for path in template.fields:
@@ -302,10 +313,12 @@ class Defaults(BaseModel):
     limits: Limits = DEFAULT_LIMITS
     mode: Mode = "enforce"
     quotas: QuotaList = ()
+    stale_reads: StaleReadMode = "refuse"
+    read_ttl_s: PositiveFloat = 600.0
 
 
 _INHERITED = ("ttl_ms", "wait_timeout_s", "after_wait_s", "agents", "fenced", "idempotency_scope",
-              "mode")
+              "mode", "stale_reads", "read_ttl_s")
 
 
 class Policy(BaseModel):
@@ -414,6 +427,12 @@ class Policy(BaseModel):
         text = f"{dotted(path)}: {message}" if path else message
         return Problem(text, where.file, where.line)
 
+    @property
+    def tracks_reads(self) -> bool:
+        """Whether any tool reads (``reads:``): then every write is checked against its caller's
+        reads and counts as its read of what it wrote."""
+        return any(tool.reads for tool in self.tools.values())
+
     def check_against(self, tool_schemas: Mapping[str, Any], *, missing_ok: bool = True) -> None:
         """Raise ``PolicyProblems`` if the policy does not fit the tools' argument schemas.
 
@@ -439,7 +458,8 @@ def policy_problems(policy: Policy) -> list[Problem]:
                                                f"unknown agent {agent!r} (not in agents:)"))
     for name, tool in policy.tools.items():
         base = ("tools", name)
-        if not tool.locks and not tool.read_only:
+        problems.extend(_read_problems(policy, name, tool))
+        if not tool.locks and not tool.read_only and not tool.reads:
             why = ("a fenced tool needs a lock key for its fencing token" if tool.fenced else
                    "an unfenced tool relies on its lock to keep concurrent duplicates out")
             problems.append(policy.problem(
@@ -461,6 +481,24 @@ def policy_problems(policy: Policy) -> list[Problem]:
                     f"can never be checked on the same resource (compare their locks:)")))
     problems.extend(_cycles(policy))
     problems.extend(controls.control_problems(policy))
+    return problems
+
+
+def _read_problems(policy: Policy, name: str, tool: ToolPolicy) -> list[Problem]:
+    """``reads:`` / ``requires_read:`` / ``decides_on:`` that could never be checked."""
+    base = ("tools", name)
+    problems = []
+    if tool.reads and tool.locks:
+        problems.append(policy.problem((*base, "reads"), (
+            "a tool either reads (reads:) or writes (locks:): a write whose decision rests on "
+            "other keys names them in decides_on:")))
+    if not tool.locks:
+        for field, given in (("requires_read", tool.requires_read),
+                             ("decides_on", bool(tool.decides_on))):
+            if given:
+                problems.append(policy.problem((*base, field), (
+                    f"{field} checks a write's reads when it takes its locks; this tool locks "
+                    f"nothing (add locks: [...], or remove {field})")))
     return problems
 
 

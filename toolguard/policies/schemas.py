@@ -50,6 +50,8 @@ def _tool_problems(policy: Policy, name: str, tool: ToolPolicy, schema: _Schema,
     base = ("tools", name)
     templates: list[tuple[tuple[str | int, ...], KeyTemplate]] = [
         (("locks", i), t) for i, t in enumerate(tool.locks)]
+    templates += [((field, i), t) for field in ("reads", "decides_on")
+                  for i, t in enumerate(getattr(tool, field))]
     if tool.idempotency_key is not None:
         templates.append((("idempotency_key",), tool.idempotency_key))
     for where, template in templates:

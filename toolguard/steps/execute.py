@@ -35,13 +35,15 @@ def context_of(intent: Intent, prepared: Prepared,
 class Body:
     """The fenced body of one call: ``sync(execute)`` or ``asynchronous(execute)`` for run_fenced."""
 
-    __slots__ = ("call", "clear", "intent", "prepared")
+    __slots__ = ("call", "clear", "intent", "prepared", "would_refuse")
 
     def __init__(self, intent: Intent, prepared: Prepared, call: telemetry.Call) -> None:
         self.intent = intent
         self.prepared = prepared
         self.call = call
         self.clear: Any = None
+        #: The refusal a shadowed read check would have made (``stale_reads: shadow``).
+        self.would_refuse: ToolGuardError | None = None
 
     def sync(self, execute: Callable[[CallContext], Any]) -> Callable[[FencedTransaction], Any]:
         def body(tx: FencedTransaction) -> Any:
@@ -69,6 +71,7 @@ class Body:
         return body
 
     def _record(self, tx: FencedTransaction | AsyncFencedTransaction, value: Any) -> Any:
+        self.would_refuse = tx.would_refuse
         if tx.lease is not None:
             tx.lease.check()
         if not tx.recorded:

@@ -30,14 +30,21 @@ class Prepared:
     secrets: Secrets
     #: The top-level arguments a person replaced when approving (validated), else None.
     edited: Mapping[str, Any] | None = None
+    #: A read's keys (``reads:``): what its caller's observation records.
+    reads: tuple[str, ...] = ()
+    #: Keys a write reads but does not write, that its decision rests on (``decides_on:``).
+    decides: tuple[str, ...] = ()
+    #: Whose reads count (agent + conversation, ``toolguard.steps.reads.caller_for``).
+    caller: str | None = None
 
 
 def accepted(intent: Intent, prepared: Prepared, result: Any, replayed: bool,
              tokens: Mapping[str, int]) -> Decision:
     """The decision of a call that applied (or was answered from its recorded result)."""
+    done = "read" if prepared.reads else "applied"
     return Decision(kind="replayed" if replayed else "accepted",
-                    reason="duplicate" if replayed else "applied", intent=intent, result=result,
-                    keys=prepared.keys, tokens=dict(tokens),
+                    reason="duplicate" if replayed else done, intent=intent, result=result,
+                    keys=prepared.keys or prepared.reads, tokens=dict(tokens),
                     idempotency_key=prepared.record.idempotency_key)
 
 

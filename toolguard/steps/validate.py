@@ -28,15 +28,18 @@ from toolguard.policies import (
     Policy,
     authorize,
     check_constraints,
+    decided_keys,
     idempotency_key,
     lock_keys,
     ordering_keys,
+    read_keys,
     redacted_args,
     validate_args,
 )
 from toolguard.policies.redaction import scrub, secrets_of
 from toolguard.steps.prepared import Prepared
 from toolguard.store.base import IntentRecord
+from toolguard.store.reads import caller_of
 
 __all__ = ["facts_of", "prepare"]
 
@@ -75,6 +78,8 @@ def prepare(intent: Intent, policy: Policy, models: Mapping[str, type[BaseModel]
     with enforcement.step("constraints"):
         check_constraints(rule, args)
     keys = () if rule.read_only else lock_keys(rule, args)
+    reads = read_keys(rule, args) if rule.reads else ()
+    decides = tuple(k for k in decided_keys(rule, args) if k not in keys) if keys else ()
     key = idempotency_key(intent, rule, args, key_fn=policy.key_fn)
     if key is None:
         if not rule.fenced:
@@ -88,12 +93,16 @@ def prepare(intent: Intent, policy: Policy, models: Mapping[str, type[BaseModel]
     record = IntentRecord(
         tool=intent.tool, idempotency_key=key, args_hash=args_hash(args),
         agent=storable_text(intent.agent), workflow=storable_text(flow.thread_id or flow.run_id),
-        keys=keys, intent_id=storable_text(intent.call_id or intent.id),
+        keys=keys or reads, intent_id=storable_text(intent.call_id or intent.id),
         args=storable(scrub(audited, secrets)), node_attempt=intent.node_attempt,
         policy_version=policy.digest)
     after = tuple((earlier, ordering_keys(rule, policy.tools[earlier], args))
                   for earlier in rule.after)
-    return Prepared(rule, args, model, keys, record, after, secrets)
+    conversation = flow.conversation if flow.conversation is not None else (
+        flow.thread_id or flow.run_id)
+    caller = caller_of(intent.agent, conversation)
+    return Prepared(rule, args, model, keys, record, after, secrets, reads=reads,
+                    decides=decides, caller=caller)
 
 
 def facts_of(intent: Intent, prepared: Prepared) -> CallFacts:

@@ -32,6 +32,7 @@ from toolguard.store.flow import fenced_flow as fenced_flow
 from toolguard.store.flow import mark_audited as mark_audited
 from toolguard.store.flow import was_audited as was_audited
 from toolguard.store.placeholders import check_placeholders
+from toolguard.store.reads import ReadCheck
 from toolguard.store.records import AUDIT_COLUMNS as AUDIT_COLUMNS
 from toolguard.store.records import AUDIT_SELECT as AUDIT_SELECT
 from toolguard.store.records import DECISIONS, AuditEntry, Begun, Decision, IntentRecord, IntentStatus, Replay
@@ -112,6 +113,7 @@ class _TxBase:
 
     def __init__(self, connection: Any, plan: FencePlan, dialect: str) -> None:
         self.connection = connection
+        self.plan = plan
         self.tokens: Mapping[str, int] = plan.tokens
         self.keys: tuple[str, ...] = plan.keys
         self.intent = plan.intent
@@ -126,6 +128,10 @@ class _TxBase:
         self.failure: ToolGuardError | None = None
         #: The lease the tokens came from, when ``fenced()`` was given one.
         self.lease: Any = plan.lease
+        #: A read: the version of each key read before the tool's own reads (what is recorded).
+        self.versions: dict[str, int] = {}
+        #: ``stale_reads: shadow``: the refusal the read check would have made (the write applies).
+        self.would_refuse: ToolGuardError | None = None
 
     @property
     def result(self) -> Any:
@@ -261,7 +267,11 @@ class GuardedStore(Protocol):
     def begin_intent(self, record: IntentRecord) -> Begun | Replay: ...
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
-               detail: str | None = None) -> AbstractContextManager[FencedTransaction]: ...
+               detail: str | None = None,
+               reads: ReadCheck | None = None) -> AbstractContextManager[FencedTransaction]: ...
+
+    def read(self, keys: Iterable[str], intent: IntentRecord | None = None, *, caller: str,
+             detail: str | None = None) -> AbstractContextManager[FencedTransaction]: ...
 
     def audit(self, entry: AuditEntry) -> AuditEntry: ...
 
@@ -305,7 +315,11 @@ class AsyncGuardedStore(Protocol):
     async def begin_intent(self, record: IntentRecord) -> Begun | Replay: ...
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
-               detail: str | None = None) -> AbstractAsyncContextManager[AsyncFencedTransaction]: ...
+               detail: str | None = None, reads: ReadCheck | None = None
+               ) -> AbstractAsyncContextManager[AsyncFencedTransaction]: ...
+
+    def read(self, keys: Iterable[str], intent: IntentRecord | None = None, *, caller: str,
+             detail: str | None = None) -> AbstractAsyncContextManager[AsyncFencedTransaction]: ...
 
     async def audit(self, entry: AuditEntry) -> AuditEntry: ...
 

@@ -33,6 +33,7 @@ from toolguard.errors import (
     ToolGuardError,
     is_control_flow,
 )
+from toolguard.store.reads import Observe, ReadCheck
 from toolguard.store.records import AuditEntry, IntentRecord, IntentStatus
 from toolguard.store.storable import text_problem
 
@@ -151,10 +152,27 @@ class FencePlan:
     started: float
     problem: ToolGuardError | None = None
     lease: HeldLease | None = None
+    #: A write's check of its caller's reads (``toolguard.store.reads``), if any.
+    reads: ReadCheck | None = None
+    #: A read (no fences, no intent row): what its caller saw of ``keys`` is recorded.
+    observe: Observe | None = None
+
+    @classmethod
+    def reading(cls, keys: tuple[str, ...], intent: IntentRecord | None, observe: Observe,
+                detail: str | None = None) -> FencePlan:
+        """A read's plan: ``keys`` (sorted) observed by ``observe.caller``; no tokens."""
+        problem: ToolGuardError | None = None
+        for key in keys:
+            if not isinstance(key, str) or not key or text_problem(key) is not None:
+                problem = problem or InvalidFencingToken(f"read key {key!r} is not usable")
+        if not keys:
+            problem = InvalidFencingToken("a read needs at least one key")
+        return cls(tuple(sorted(set(keys))) if problem is None else (), {}, intent, detail,
+                   time.monotonic(), problem, None, None, observe)
 
     @classmethod
     def build(cls, source: FenceSource, intent: IntentRecord | None,
-              detail: str | None = None) -> FencePlan:
+              detail: str | None = None, reads: ReadCheck | None = None) -> FencePlan:
         started = time.monotonic()
         problem: ToolGuardError | None = None
         clean: dict[str, int] = {}
@@ -187,7 +205,8 @@ class FencePlan:
                                             reason="invalid_intent")
             intent = None
         keys = tuple(sorted(clean))
-        return cls(keys, {k: clean[k] for k in keys}, intent, detail, started, problem, lease)
+        return cls(keys, {k: clean[k] for k in keys}, intent, detail, started, problem, lease,
+                   reads)
 
     @property
     def idempotency_key(self) -> str | None:
@@ -213,10 +232,16 @@ class FencePlan:
             policy_version=intent.policy_version if intent else None,
         )
 
+    @property
+    def applied_reason(self) -> str:
+        """The reason code of this plan's accepted row: ``read`` for a read, else ``applied``."""
+        return "read" if self.observe is not None else "applied"
+
     def failure_entry(self, error: BaseException) -> tuple[AuditEntry, IntentStatus | None]:
         outcome = classify(error)
         text = str(error) or type(error).__name__
-        return self.entry(outcome.decision, outcome.reason, text[:4000]), outcome.status
+        status = None if self.observe is not None else outcome.status  # a read has no intent row
+        return self.entry(outcome.decision, outcome.reason, text[:4000]), status
 
 
 
@@ -272,8 +297,9 @@ def _raise(error: BaseException, cause: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
-                intent: IntentRecord | None, detail: str | None) -> Iterator[FencedTransaction]:
+def fenced_flow(session: AbstractContextManager[Session], source: FenceSource | FencePlan,
+                intent: IntentRecord | None, detail: str | None,
+                reads: ReadCheck | None = None) -> Iterator[FencedTransaction]:
     """Fence, run the tool, record and audit, commit; on failure roll back and audit outside.
 
     A replay (``DuplicateIntent`` from ``enter``) is the one failure whose fence
@@ -283,7 +309,8 @@ def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
     checked at entry: a holder that paused before its write meets the fence
     there, the data tier's own refusal.
     """
-    plan = FencePlan.build(source, intent, detail)
+    plan = source if isinstance(source, FencePlan) else FencePlan.build(source, intent, detail,
+                                                                        reads)
     committing = False
     with session as s:
         try:
@@ -293,7 +320,7 @@ def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
             yield tx
             require_held(plan.lease)
             committing = True
-            s.finish(tx, plan.entry("accepted", "applied", tx.detail))
+            s.finish(tx, plan.entry("accepted", plan.applied_reason, tx.detail))
         except BaseException as raised:
             error = s.abort(raised)
             if not committing:
@@ -311,14 +338,16 @@ def fenced_flow(session: AbstractContextManager[Session], source: FenceSource,
 
 @contextlib.asynccontextmanager
 async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
-                       source: FenceSource, intent: IntentRecord | None,
-                       detail: str | None) -> AsyncIterator[AsyncFencedTransaction]:
+                       source: FenceSource | FencePlan, intent: IntentRecord | None,
+                       detail: str | None,
+                       reads: ReadCheck | None = None) -> AsyncIterator[AsyncFencedTransaction]:
     """The asyncio twin of ``fenced_flow``; a cancelled write is audited as ``unknown``.
 
     A commit, once sent, runs to its end: a cancellation that arrives meanwhile
     is raised after it, marked audited when the commit wrote the call's row.
     """
-    plan = FencePlan.build(source, intent, detail)
+    plan = source if isinstance(source, FencePlan) else FencePlan.build(source, intent, detail,
+                                                                        reads)
     committing = committed = False
     try:
         async with session as s:
@@ -332,7 +361,8 @@ async def afenced_flow(session: AbstractAsyncContextManager[AsyncSession],
                 # The commit is not cut by a cancellation (a worker thread or the server would
                 # finish it anyway): its outcome is awaited, so the call is audited as what it
                 # became, once, and the connection goes back idle.
-                cancelled = await _to_the_end(s.finish(tx, plan.entry("accepted", "applied", tx.detail)))
+                cancelled = await _to_the_end(
+                    s.finish(tx, plan.entry("accepted", plan.applied_reason, tx.detail)))
                 committed = True
                 if cancelled is not None:  # committed and audited: the caller still stops
                     mark_audited(cancelled)

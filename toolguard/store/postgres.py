@@ -77,6 +77,7 @@ from toolguard.store.base import (
     AuditQuery,
     Begun,
     FencedTransaction,
+    FencePlan,
     FenceSource,
     IntentRecord,
     Migration,
@@ -139,6 +140,7 @@ from toolguard.store.postgres_sql import (
     _moment,
 )
 from toolguard.store.postgres_sql import text_array as text_array
+from toolguard.store.reads import Observe, ReadCheck
 from toolguard.store.sealing import MAX_SEAL_ROWS, check_anchors, pg_export, pg_seal, pg_verify
 
 __all__ = [
@@ -310,13 +312,26 @@ class PostgresStore(_PgBase):
         return _SessionScope(self)
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
-               detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
+               detail: str | None = None, reads: ReadCheck | None = None
+               ) -> contextlib.AbstractContextManager[FencedTransaction]:
         """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing.
 
         ``lease``: a ``Lease`` (checked right before the commit: ``LockLost`` if it was lost
         or released meanwhile) or a mapping of key to token (no such check).
         """
-        return fenced_flow(self._session(), lease, intent, detail)
+        return fenced_flow(self._session(), lease, intent, detail, reads)
+
+    def read(self, keys: Iterable[str], intent: IntentRecord | None = None, *, caller: str,
+             detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
+        """A read: one transaction whose tool reads ``keys``; what ``caller`` saw is recorded.
+
+        The keys' versions are read first (an observation is never newer than the
+        data the tool reads after it), then the tool runs on ``tx``, then the
+        observation and the audit row commit together; a failed read records no
+        observation. See ``toolguard.store.reads``.
+        """
+        plan = FencePlan.reading(tuple(keys), intent, Observe(caller), detail)
+        return fenced_flow(self._session(), plan, intent, detail)
 
     def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""
@@ -538,10 +553,17 @@ class AsyncPostgresStore(_PgBase):
                     await finish(session.settle())
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
-               detail: str | None = None
+               detail: str | None = None, reads: ReadCheck | None = None
                ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
         """``async with store.fenced(lease, intent) as tx``: as ``PostgresStore.fenced``."""
-        return afenced_flow(self._session(), lease, intent, detail)
+        return afenced_flow(self._session(), lease, intent, detail, reads)
+
+    def read(self, keys: Iterable[str], intent: IntentRecord | None = None, *, caller: str,
+             detail: str | None = None
+             ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
+        """``async with store.read(keys, intent, caller=...) as tx``: as the sync ``read``."""
+        plan = FencePlan.reading(tuple(keys), intent, Observe(caller), detail)
+        return afenced_flow(self._session(), plan, intent, detail)
 
     async def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""

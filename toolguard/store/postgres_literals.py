@@ -22,7 +22,14 @@ from typing import Any, cast
 import psycopg
 from psycopg import generators
 
-from toolguard.store.postgres_sql import ENTER_TX, FINISH_TX, FINISH_TX_NO_INTENT
+from toolguard.store.postgres_sql import (
+    ENTER_CHECK_TX,
+    ENTER_TX,
+    FINISH_OBSERVE_TX,
+    FINISH_OBSERVE_TX_NO_INTENT,
+    FINISH_TX,
+    FINISH_TX_NO_INTENT,
+)
 
 
 def _template(query: str) -> tuple[str, ...]:
@@ -34,7 +41,9 @@ def _template(query: str) -> tuple[str, ...]:
     return parts
 
 
-_TEMPLATES = {query: _template(query) for query in (ENTER_TX, FINISH_TX, FINISH_TX_NO_INTENT)}
+_TEMPLATES = {query: _template(query) for query in (
+    ENTER_TX, FINISH_TX, FINISH_TX_NO_INTENT, ENTER_CHECK_TX, FINISH_OBSERVE_TX,
+    FINISH_OBSERVE_TX_NO_INTENT)}
 _NUL_TEXT = "PostgreSQL text fields cannot contain NUL (0x00) bytes"
 #: The server's names of UTF-8 as ``client_encoding`` reports it.
 _UTF8 = frozenset({b"UTF8", b"UNICODE"})

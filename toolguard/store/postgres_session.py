@@ -30,13 +30,18 @@ from toolguard.store.postgres_literals import _hot_cursor
 from toolguard.store.postgres_sql import (
     COMMIT_FAILURE,
     DIALECT,
+    ENTER_CHECK_TX,
     ENTER_TX,
     FAILURE,
+    READ_BEGIN_TX,
     ROLLBACK_FAILURE,
+    _check_params,
     _enter_params,
     _failure_params,
     _finish_params,
+    text_array,
 )
+from toolguard.store.reads import Seen, observed_detail, verdict
 
 if TYPE_CHECKING:
     from toolguard.store.postgres import AsyncPostgresStore, PostgresStore
@@ -61,6 +66,26 @@ def _ended(tx_status: TransactionStatus) -> StoreError | None:
     msg = ("the fenced transaction was ended inside fenced() (a COMMIT or ROLLBACK by the tool); "
            "the tool must never end it itself")
     return StoreError(msg, reason="transaction_ended")
+
+
+def _seen(tx: FencedTransaction | AsyncFencedTransaction, rows: list[Any]) -> None:
+    """A read's versions, as ``READ_BEGIN_TX`` found them (a key never written: 0)."""
+    tx.versions = {key: 0 for key in tx.keys}
+    tx.versions.update({str(key): int(version) for key, version in rows})
+    tx.detail = tx.detail or observed_detail(tx.versions)
+
+
+def _judge(tx: FencedTransaction | AsyncFencedTransaction, plan: FencePlan,
+           rows: list[Any]) -> None:
+    """Refuse the write if the read check says so (or note it, in shadow mode)."""
+    assert plan.reads is not None
+    refusal = verdict(plan.reads, [Seen.of(row) for row in rows])
+    if refusal is None:
+        return
+    if plan.reads.shadow:
+        tx.would_refuse = refusal
+        return
+    raise refusal
 
 
 class _Session:
@@ -90,8 +115,14 @@ class _Session:
 
     def enter(self, plan: FencePlan) -> FencedTransaction:
         conn = self.conn
+        if plan.observe is not None:
+            return self._enter_read(plan)
         cursor = _hot_cursor(conn, "_toolguard_enter")
-        cursor.execute(ENTER_TX, _enter_params(plan), prepare=False)
+        if plan.reads is None:
+            cursor.execute(ENTER_TX, _enter_params(plan), prepare=False)
+        else:
+            cursor.execute(ENTER_CHECK_TX, (*_enter_params(plan), *_check_params(plan)),
+                           prepare=False)
         cursor.nextset()  # past BEGIN's empty result
         found = cursor.pgresult
         # The usual answer, "not applied", read without loading the row.
@@ -102,6 +133,17 @@ class _Session:
                 self.replay = _duplicate(plan, row[1])
                 raise self.replay
         self.tx = FencedTransaction(conn, plan, DIALECT, self._execute)
+        if plan.reads is not None:
+            cursor.nextset()
+            _judge(self.tx, plan, cursor.fetchall())
+        return self.tx
+
+    def _enter_read(self, plan: FencePlan) -> FencedTransaction:
+        cursor = psycopg.ClientCursor(self.conn)
+        cursor.execute(READ_BEGIN_TX, (text_array(plan.keys),))
+        cursor.nextset()
+        self.tx = FencedTransaction(self.conn, plan, DIALECT, self._execute)
+        _seen(self.tx, cursor.fetchall())
         return self.tx
 
     def finish(self, tx: FencedTransaction, entry: AuditEntry) -> None:
@@ -110,7 +152,7 @@ class _Session:
         problem = _ended(self.conn.info.transaction_status)
         if problem is not None:
             raise problem
-        query, params = _finish_params(tx, entry)
+        query, params = _finish_params(tx, tx.plan, entry)
         _hot_cursor(self.conn, "_toolguard_finish").execute(query, params, prepare=False)
         self.store.sealer.wrote()
 
@@ -180,7 +222,16 @@ class _AsyncSession:
     async def enter(self, plan: FencePlan) -> AsyncFencedTransaction:
         conn = self.conn
         cursor = psycopg.AsyncClientCursor(conn)
-        await cursor.execute(ENTER_TX, _enter_params(plan))
+        if plan.observe is not None:
+            await cursor.execute(READ_BEGIN_TX, (text_array(plan.keys),))
+            cursor.nextset()
+            self.tx = AsyncFencedTransaction(conn, plan, DIALECT, self._execute)
+            _seen(self.tx, await cursor.fetchall())
+            return self.tx
+        if plan.reads is None:
+            await cursor.execute(ENTER_TX, _enter_params(plan))
+        else:
+            await cursor.execute(ENTER_CHECK_TX, (*_enter_params(plan), *_check_params(plan)))
         cursor.nextset()  # past BEGIN's empty result
         row = await cursor.fetchone()
         assert row is not None
@@ -188,6 +239,9 @@ class _AsyncSession:
             self.replay = _duplicate(plan, row[1])
             raise self.replay
         self.tx = AsyncFencedTransaction(conn, plan, DIALECT, self._execute)
+        if plan.reads is not None:
+            cursor.nextset()
+            _judge(self.tx, plan, await cursor.fetchall())
         return self.tx
 
     async def finish(self, tx: AsyncFencedTransaction, entry: AuditEntry) -> None:
@@ -196,7 +250,7 @@ class _AsyncSession:
         problem = _ended(self.conn.info.transaction_status)
         if problem is not None:
             raise problem
-        query, params = _finish_params(tx, entry)
+        query, params = _finish_params(tx, tx.plan, entry)
         await psycopg.AsyncClientCursor(self.conn).execute(query, params)
         self.store.sealer.wrote()
 

@@ -59,7 +59,24 @@ AUDIT_INSERT = f"{_AUDIT_INTO} RETURNING id, at"
 FINISH = f"SELECT toolguard_finish(%s::text, %s::json, %s::jsonb, {_AUDIT_VALUES})"
 #: One message (client-side binding): finish and commit.
 FINISH_TX = f"{FINISH}; COMMIT"
-FINISH_TX_NO_INTENT = f"{_AUDIT_INTO}; COMMIT"
+#: A write without an intent record: its keys' versions advance, its audit row, the commit.
+WRITTEN = "SELECT toolguard_written(%s::text[], %s::text, %s::text)"
+FINISH_TX_NO_INTENT = f"{WRITTEN}; {_AUDIT_INTO}; COMMIT"
+
+# --- decisions across calls (schema version 10, ``toolguard.store.reads``) ---
+#: After ``toolguard_enter``, in the same message: lock the version rows in one sorted order and
+#: return the caller's observations beside the current versions (the client decides).
+READ_CHECK = ("SELECT key, decided, observed, current, agent, intent_id FROM toolguard_read_check("
+              "%s::text, %s::text[], %s::text[], %s::double precision, %s::integer)")
+ENTER_CHECK_TX = f"{ENTER_TX}; {READ_CHECK}"
+#: A checked write's finish: what it wrote counts as the caller's read of it (read-your-writes).
+OBSERVE_WRITTEN = "SELECT toolguard_observe(%s::text, %s::text[], NULL)"
+FINISH_OBSERVE_TX = f"{FINISH}; {OBSERVE_WRITTEN}; COMMIT"
+FINISH_OBSERVE_TX_NO_INTENT = f"{WRITTEN}; {OBSERVE_WRITTEN}; {_AUDIT_INTO}; COMMIT"
+#: A read: open the transaction and read the keys' versions before the tool's own reads.
+READ_BEGIN_TX = "BEGIN; SELECT key, version FROM toolguard_version WHERE key = ANY(%s::text[])"
+#: A read's finish: record the versions read, its audit row, commit.
+READ_FINISH_TX = f"SELECT toolguard_observe(%s::text, %s::text[], %s::bigint[]); {_AUDIT_INTO}; COMMIT"
 # Upsert the intent row as 'failed'/'unknown' (its own row may have been rolled back with the
 # failed transaction), never touching an applied row or another request's row (other tool or
 # args). An attempt the row has not counted yet (its status is not 'pending') is counted here.
@@ -180,13 +197,34 @@ def _mark_unknown(idempotency_key: str, record: IntentRecord | None) -> tuple[st
                                  text_array(record.keys), record.args_hash)
 
 
-def _finish_params(tx: FencedTransaction | AsyncFencedTransaction,
+def _finish_params(tx: FencedTransaction | AsyncFencedTransaction, plan: FencePlan,
                    entry: AuditEntry) -> tuple[str, tuple[Any, ...]]:
-    key = tx.intent.idempotency_key if tx.intent else None
+    """The finishing message of a fenced write (or a read) and its parameters."""
     values = _audit_values(entry)
+    if plan.observe is not None:  # a read: record what was seen, audit, commit
+        keys = list(plan.keys)
+        return READ_FINISH_TX, (plan.observe.caller, text_array(keys),
+                                _bigint_array([tx.versions.get(k, 0) for k in keys]), *values)
+    key = tx.intent.idempotency_key if tx.intent else None
+    caller = plan.reads.caller if plan.reads is not None else None
+    keys = text_array(plan.keys)
     if key is None:
-        return FINISH_TX_NO_INTENT, values
-    return FINISH_TX, (key, tx.result_json, tx.tokens_json, *values)
+        written = (keys, entry.agent, entry.intent_id)
+        if caller is None:
+            return FINISH_TX_NO_INTENT, (*written, *values)
+        return FINISH_OBSERVE_TX_NO_INTENT, (*written, caller, keys, *values)
+    finish = (key, tx.result_json, tx.tokens_json, *values)
+    if caller is None:
+        return FINISH_TX, finish
+    return FINISH_OBSERVE_TX, (*finish, caller, keys)
+
+
+def _check_params(plan: FencePlan) -> tuple[Any, ...]:
+    """``READ_CHECK``'s parameters for a write with a read check."""
+    check = plan.reads
+    assert check is not None
+    return (check.caller, text_array(plan.keys), text_array(sorted(set(check.decides))),
+            float(check.ttl_s), check.wait_ms)
 
 
 def _moment(value: datetime) -> datetime:

@@ -70,6 +70,7 @@ from toolguard.store.base import (
     IntentRecord,
     mark_audited,
 )
+from toolguard.store.reads import ReadCheck
 
 if TYPE_CHECKING:
     from toolguard.locks import AsyncLockManager, Lease, LockManager
@@ -263,7 +264,7 @@ async def areseed_if_regressed(locks: AsyncLockManager, store: AsyncGuardedStore
 def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str],
                body: Callable[[FencedTransaction], T], *, intent: IntentRecord | None = None,
                ttl_ms: int | None = None, timeout_s: float | None = None,
-               reseed_on_regression: bool = True) -> Outcome[Any]:
+               reseed_on_regression: bool = True, reads: ReadCheck | None = None) -> Outcome[Any]:
     """Lock ``keys``, run ``body(tx)`` in one fenced transaction, release.
 
     The body's return value is recorded as the intent's result (it must be
@@ -292,7 +293,7 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
                               ordered, attempt)
         held_since = time.monotonic()
         try:
-            with probe.transaction(lease, attempt), store.fenced(lease, intent) as tx:
+            with probe.transaction(lease, attempt), store.fenced(lease, intent, reads=reads) as tx:
                 value = body(tx)
                 if not tx.recorded:
                     tx.record(value)
@@ -319,7 +320,8 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
                       body: Callable[[AsyncFencedTransaction], Awaitable[T]], *,
                       intent: IntentRecord | None = None, ttl_ms: int | None = None,
                       timeout_s: float | None = None,
-                      reseed_on_regression: bool = True) -> Outcome[Any]:
+                      reseed_on_regression: bool = True,
+                      reads: ReadCheck | None = None) -> Outcome[Any]:
     """The asyncio twin of ``run_fenced``; ``body`` is a coroutine function."""
     ordered = canonical_keys(keys)
     probe = telemetry.start_fenced(intent)
@@ -335,7 +337,7 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
         committed = False  # the transaction (with its audit row) is in: the outcome is known
         try:
             with probe.transaction(lease, attempt):
-                async with store.fenced(lease, intent) as tx:
+                async with store.fenced(lease, intent, reads=reads) as tx:
                     value = await body(tx)
                     if not tx.recorded:
                         tx.record(value)

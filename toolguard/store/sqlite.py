@@ -69,6 +69,7 @@ from toolguard.store.base import (
     qmark,
 )
 from toolguard.store.chain import AuditVerification, ExportResult, SealResult
+from toolguard.store.reads import Observe, ReadCheck
 from toolguard.store.sealing import (
     MAX_SEAL_ROWS,
     check_anchors,
@@ -214,13 +215,26 @@ class SqliteStore:
             yield _Session(self, conn)
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
-               detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
+               detail: str | None = None, reads: ReadCheck | None = None
+               ) -> contextlib.AbstractContextManager[FencedTransaction]:
         """One transaction: fences, the tool's SQL, the result and the audit row; all or nothing.
 
         ``lease``: a ``Lease`` (checked right before the commit: ``LockLost`` if it was lost
         or released meanwhile) or a mapping of key to token (no such check).
         """
-        return fenced_flow(self._session(), lease, intent, detail)
+        return fenced_flow(self._session(), lease, intent, detail, reads)
+
+    def read(self, keys: Iterable[str], intent: IntentRecord | None = None, *, caller: str,
+             detail: str | None = None) -> contextlib.AbstractContextManager[FencedTransaction]:
+        """A read: one transaction whose tool reads ``keys``; what ``caller`` saw is recorded.
+
+        The keys' versions are read first (an observation is never newer than the
+        data the tool reads after it), then the tool runs on ``tx``, then the
+        observation and the audit row commit together; a failed read records no
+        observation. See ``toolguard.store.reads``.
+        """
+        plan = FencePlan.reading(tuple(keys), intent, Observe(caller), detail)
+        return fenced_flow(self._session(), plan, intent, detail)
 
     def _record_failure(self, conn: sqlite3.Connection, plan: FencePlan, entry: AuditEntry,
                         status: IntentStatus | None) -> None:
@@ -422,10 +436,17 @@ class AsyncSqliteStore:
             await _given_back(worker, self.sync._connections.give, conn)
 
     def fenced(self, lease: FenceSource, intent: IntentRecord | None = None, *,
-               detail: str | None = None
+               detail: str | None = None, reads: ReadCheck | None = None
                ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
         """``async with store.fenced(lease, intent) as tx``: as ``SqliteStore.fenced``."""
-        return afenced_flow(self._session(), lease, intent, detail)
+        return afenced_flow(self._session(), lease, intent, detail, reads)
+
+    def read(self, keys: Iterable[str], intent: IntentRecord | None = None, *, caller: str,
+             detail: str | None = None
+             ) -> contextlib.AbstractAsyncContextManager[AsyncFencedTransaction]:
+        """``async with store.read(keys, intent, caller=...) as tx``: as the sync ``read``."""
+        plan = FencePlan.reading(tuple(keys), intent, Observe(caller), detail)
+        return afenced_flow(self._session(), plan, intent, detail)
 
     async def audit(self, entry: AuditEntry) -> AuditEntry:
         """Append one audit row (for decisions taken outside a fenced write)."""

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -38,6 +39,7 @@ from toolguard.store.base import (
     dump_json,
     qmark,
 )
+from toolguard.store.reads import Seen, observed_detail, verdict
 from toolguard.store.sqlite_connections import _Connections, translate
 from toolguard.store.sqlite_sql import (
     APPLY,
@@ -47,6 +49,11 @@ from toolguard.store.sqlite_sql import (
     FENCE,
     INTENT_ROW,
     NEW_INTENT_IF_ABSENT,
+    OBSERVE_AT,
+    OBSERVE_WRITTEN,
+    READ_CHECK,
+    VERSIONS_OF,
+    WRITTEN,
     _loads,
 )
 
@@ -73,6 +80,9 @@ class _Session:
         self.tx: FencedTransaction | AsyncFencedTransaction | None = None
         #: The replay ``begin`` found: its fence advance is committed, not rolled back.
         self.replay: DuplicateIntent | None = None
+        #: What ``begin`` found for the transaction: a read's versions, a shadowed refusal.
+        self.versions: dict[str, int] = {}
+        self.would_refuse: ToolGuardError | None = None
 
     def execute(self, query: str, params: Any, counted: bool = False) -> sqlite3.Cursor | Fetched:
         """One statement; ``counted``: its rows fetched at once, so that they can be counted
@@ -90,9 +100,31 @@ class _Session:
             raise mapped from error
 
     def begin(self, plan: FencePlan) -> None:
-        """BEGIN IMMEDIATE, every fence in sorted order, then the intent row."""
+        """BEGIN IMMEDIATE, every fence in sorted order, the intent row, then the read check
+        (a read: the versions of its keys, before the tool's own reads)."""
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
+        if plan.observe is not None:
+            self.versions = {key: 0 for key in plan.keys}
+            self.versions.update({str(k): int(v) for k, v in
+                                  conn.execute(VERSIONS_OF, (dump_json(list(plan.keys)),))})
+            return
+        self._fence_and_intent(plan)
+        check = plan.reads
+        if check is None:
+            return
+        keys = sorted(set(plan.keys) | set(check.decides))
+        decided = sorted(set(check.decides) - set(plan.keys))
+        rows = conn.execute(READ_CHECK, (dump_json(decided), dump_json(keys), check.caller,
+                                         time.time() - check.ttl_s)).fetchall()
+        refusal = verdict(check, [Seen.of(row) for row in rows])
+        if refusal is not None and check.shadow:
+            self.would_refuse = refusal
+        elif refusal is not None:
+            raise refusal
+
+    def _fence_and_intent(self, plan: FencePlan) -> None:
+        conn = self.conn
         for key in plan.keys:
             token = plan.tokens[key]
             if not conn.execute(FENCE, (key, token)).fetchall():
@@ -124,8 +156,16 @@ class _Session:
     def enter(self, plan: FencePlan) -> FencedTransaction:
         self.begin(plan)
         tx = FencedTransaction(self.conn, plan, DIALECT, self.execute)
-        self.tx = tx
+        self.found(tx)
         return tx
+
+    def found(self, tx: FencedTransaction | AsyncFencedTransaction) -> None:
+        """Hand the transaction what ``begin`` found."""
+        self.tx = tx
+        tx.would_refuse = self.would_refuse
+        if tx.plan.observe is not None:
+            tx.versions = dict(self.versions)
+            tx.detail = tx.detail or observed_detail(tx.versions)
 
     def commit(self, tx: FencedTransaction | AsyncFencedTransaction, entry: AuditEntry) -> None:
         if tx.failure is not None:
@@ -134,9 +174,18 @@ class _Session:
             msg = ("the fenced transaction was ended inside fenced() (a COMMIT or ROLLBACK by "
                    "the tool); the tool must never end it itself")
             raise StoreError(msg, reason="transaction_ended")
-        key = tx.intent.idempotency_key if tx.intent else None
-        if key is not None:
-            self.conn.execute(APPLY, (tx.result_json, tx.tokens_json, key))
+        plan = tx.plan
+        keys = dump_json(list(plan.keys))
+        if plan.observe is not None:  # a read: what its caller saw
+            seen = dump_json([[k, tx.versions.get(k, 0)] for k in plan.keys])
+            self.conn.execute(OBSERVE_AT, (plan.observe.caller, time.time(), seen))
+        else:
+            key = tx.intent.idempotency_key if tx.intent else None
+            if key is not None:
+                self.conn.execute(APPLY, (tx.result_json, tx.tokens_json, key))
+            self.conn.execute(WRITTEN, (entry.agent, entry.intent_id, keys))
+            if plan.reads is not None:
+                self.conn.execute(OBSERVE_WRITTEN, (plan.reads.caller, time.time(), keys))
         self.conn.execute(AUDIT_INSERT, entry.insert_values(DIALECT)).fetchall()
         self.conn.execute("COMMIT")
         self.store.sealer.wrote()
@@ -268,7 +317,7 @@ class _AsyncSession:
     async def enter(self, plan: FencePlan) -> AsyncFencedTransaction:
         await self.worker.run(self.sync.begin, plan)
         tx = AsyncFencedTransaction(self.sync.conn, plan, DIALECT, self._execute)
-        self.sync.tx = tx
+        self.sync.found(tx)
         return tx
 
     async def finish(self, tx: AsyncFencedTransaction, entry: AuditEntry) -> None:

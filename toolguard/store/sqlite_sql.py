@@ -73,6 +73,33 @@ AUDIT_INSERT = (
     f"SELECT {_AUDIT_ROW}, {ROW_HASH_FUNCTION}({_AUDIT_ROW}) "
     f"FROM (SELECT {_NEXT_ID} AS id, {NOW} AS at, "
     f"{', '.join(f'? AS {c}' for c in AUDIT_COLUMNS)}) AS v RETURNING id, at")
+# --- decisions across calls (schema version 5, ``toolguard.store.reads``) ---
+#: The versions of the keys (a JSON array) as a read finds them before the tool's own reads.
+VERSIONS_OF = ("SELECT key, version FROM toolguard_version "
+               "WHERE key IN (SELECT value FROM json_each(?))")
+#: A write's read check: per key (a JSON array, sorted), whether only decided on, the caller's
+#: observation younger than the cut-off (seconds since the epoch), and the key's version now.
+READ_CHECK = ("SELECT k.value, k.value IN (SELECT value FROM json_each(?)), r.version, "
+              "coalesce(v.version, 0), v.agent, v.intent_id FROM json_each(?) AS k "
+              "LEFT JOIN toolguard_version AS v ON v.key = k.value "
+              "LEFT JOIN toolguard_read AS r ON r.caller = ? AND r.key = k.value "
+              "AND r.observed_at > ? ORDER BY k.value")
+#: An accepted write advances the version of every key it wrote (a JSON array).
+WRITTEN = ("INSERT INTO toolguard_version (key, version, agent, intent_id) "
+           "SELECT value, 1, ?, ? FROM json_each(?) WHERE true ON CONFLICT (key) DO UPDATE "
+           f"SET version = version + 1, agent = excluded.agent, intent_id = excluded.intent_id, "
+           f"updated_at = {NOW}")
+#: What a caller saw: ``[[key, version], ...]`` (a read), at the time given.
+OBSERVE_AT = ("INSERT INTO toolguard_read (caller, key, version, observed_at) "
+              "SELECT ?, json_extract(value, '$[0]'), json_extract(value, '$[1]'), ? "
+              "FROM json_each(?) WHERE true ON CONFLICT (caller, key) DO UPDATE "
+              "SET version = excluded.version, observed_at = excluded.observed_at")
+#: What a caller wrote counts as its read of it (read-your-writes): keys at their version now.
+OBSERVE_WRITTEN = ("INSERT INTO toolguard_read (caller, key, version, observed_at) "
+                   "SELECT ?, k.value, coalesce(v.version, 0), ? FROM json_each(?) AS k "
+                   "LEFT JOIN toolguard_version AS v ON v.key = k.value WHERE true "
+                   "ON CONFLICT (caller, key) DO UPDATE "
+                   "SET version = excluded.version, observed_at = excluded.observed_at")
 MARK_UNKNOWN = (f"UPDATE toolguard_intent SET status = 'unknown', updated_at = {NOW} "
                 f"WHERE idempotency_key = ? AND status <> 'applied'")
 MARK_UNKNOWN_UPSERT = (
