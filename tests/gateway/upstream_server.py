@@ -66,6 +66,24 @@ async def bump(counter: str, by: int = 1, hold_s: float = 0.0) -> dict[str, Any]
 
 
 @mcp.tool
+async def read_counter(counter: str) -> int:
+    """The counter's value (a read: the model decides from it)."""
+    with closing(_db()) as db:
+        row = db.execute("SELECT value FROM counters WHERE name = ?", (counter,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+@mcp.tool
+async def set_counter(counter: str, value: int) -> int:
+    """Set the counter to a value the model computed."""
+    _note("set_counter", f"{counter}:{value}")
+    with closing(_db()) as db:
+        db.execute("INSERT INTO counters (name, value) VALUES (?, ?) "
+                   "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (counter, value))
+    return value
+
+
+@mcp.tool
 async def attach(counter: str, note: str) -> str:
     """A step that must come before ``close`` on the same counter (``after:`` in the policy)."""
     _note("attach", f"{counter}:{note}")

@@ -65,6 +65,20 @@ class Bank:
         found = self.h.scores()
         return {a: found.get(a, 0) for a in accounts}
 
+    @staticmethod
+    def read_in(account: str) -> int:
+        """Read ``account`` in the current call's transaction (a tool body's own code)."""
+        from toolguard.call.context import current
+
+        row = current().tx.execute(READ, (account,)).fetchone()
+        return int(row[0]) if row else 0
+
+    @staticmethod
+    def write_in(account: str, balance: int) -> None:
+        from toolguard.call.context import current
+
+        current().tx.execute(UPSERT, (account, balance))
+
     def body(self, tool: str) -> Any:
         def run(ctx: CallContext) -> Any:
             account = ctx.args["account_id"]

@@ -9,16 +9,12 @@ approval. What each cancellation must leave is listed in ``cancel_harness``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from guard.cancel_harness import Sweep, sweep
-from guard.harness import Backend, Harness
 from toolguard.call.intent import Intent
-from toolguard.guard import ToolGuard
 
 #: path name -> (policy, decision kind of the uncancelled call)
 POLICIES: dict[str, tuple[dict[str, Any], str]] = {
@@ -42,54 +38,6 @@ CASES = [*((setup, "plain") for setup in SETUPS),
 
 #: points counted per case (printed at the end of the run of this module)
 POINTS: dict[str, int] = {}
-
-
-def make_backend(setup: str, request: pytest.FixtureRequest, tmp_path: Path,
-                 unique: str) -> Backend:
-    store_kind, lock_kind = (part.split("-")[0] for part in setup.split("/"))
-    if store_kind == "sqlite":
-        store_url, store_options = f"sqlite:///{tmp_path}/store.db", {}
-    else:
-        store_url = request.getfixturevalue("postgres_url")
-        store_options = {"schema": f"tg_cancel_{unique}"}
-    if lock_kind == "sqlite":
-        lock_url, lock_options = f"sqlite:///{tmp_path}/locks.db", {}
-    elif lock_kind == "redis":
-        lock_url, lock_options = request.getfixturevalue("redis_url"), {"prefix": f"tgc:{unique}"}
-    elif lock_kind == "postgres":
-        lock_url = request.getfixturevalue("postgres_url")
-        lock_options = {"schema": f"tg_cancel_locks_{unique}"}
-    else:
-        from etcd_server import require_etcd, shared_etcd_url
-
-        require_etcd()
-        lock_url, lock_options = shared_etcd_url(), {"prefix": f"tgc-{unique}"}
-    return Backend(store_kind, store_url, lock_url, store_options, lock_options)
-
-
-@pytest.fixture
-def case_harness(request: pytest.FixtureRequest, tmp_path: Path,
-                 unique: str) -> Iterator[Callable[[str, dict[str, Any]], Harness]]:
-    made: list[tuple[Harness, Backend]] = []
-
-    def build(setup: str, policy: dict[str, Any]) -> Harness:
-        backend = make_backend(setup, request, tmp_path, unique)
-        h = Harness(backend, policy)
-        # the kill switch read on every call: the same await points on every run
-        h.guard = ToolGuard(h.policy, locks=h.locks, store=h.store, pause_cache_s=0)
-        made.append((h, backend))
-        return h
-
-    yield build
-    for h, backend in made:
-        h.close()
-        backend.drop()
-        schema = backend.lock_options.get("schema")
-        if schema:
-            import psycopg
-
-            with psycopg.connect(backend.lock_url, autocommit=True) as conn:
-                conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def intent_for(call_id: str, lead: str = "a") -> Intent:

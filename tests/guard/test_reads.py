@@ -222,3 +222,42 @@ def test_read_keys_are_checked_against_the_tool_schema() -> None:
 
     with pytest.raises(PolicyProblems, match="acount"):
         policy.check_against({"get": get})
+
+
+@pytest.mark.parametrize("setup", ["sqlite-store/sqlite-locks", "sqlite-store/etcd-locks",
+                                   "postgresql-store/redis-locks",
+                                   "postgresql-store/postgres-locks"])
+def test_every_lock_backend(case_harness: Any, setup: str) -> None:
+    h: Harness = case_harness(setup, CHECKED)
+    bank = Bank(h)
+    bank.open({"acct": 100})
+    alice, bob = Agent(h, "alice", "t-a"), Agent(h, "bob", "t-b")
+    a, b = alice.read("acct"), bob.read("acct")
+    assert alice.call("set_balance", account_id="acct", balance=a + 25).ok
+    assert bob.call("set_balance", account_id="acct", balance=b + 30).reason == "stale_read"
+    assert decide_to_deposit(bob, "acct", 30).ok
+    assert bank.balances("acct") == {"acct": 155}
+
+
+def test_guarded_functions_take_the_conversation_from_thread_id(harness: Any) -> None:
+    from toolguard.adapters import guarded
+
+    h: Harness = harness(CHECKED)
+    bank = Bank(h)
+    bank.open({"acct": 100})
+
+    @guarded(h.guard, agent="alice")
+    def get_balance(account_id: str) -> int:
+        return int(Bank.read_in(account_id))
+
+    @guarded(h.guard, agent="alice")
+    def set_balance(account_id: str, balance: int) -> int:
+        Bank.write_in(account_id, balance)
+        return balance
+
+    seen = get_balance.run({"account_id": "acct"}, call_id="r1", thread_id="t-1").result
+    assert set_balance.run({"account_id": "acct", "balance": seen + 1}, call_id="w0",
+                           thread_id="t-2").reason == "unread"  # another conversation's read
+    assert set_balance.run({"account_id": "acct", "balance": seen + 1}, call_id="w1",
+                           thread_id="t-1").ok
+    assert bank.balances("acct") == {"acct": 101}
