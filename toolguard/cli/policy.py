@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from toolguard.errors import PolicyProblems
+from toolguard.policies.advice import computed_write_warnings
 from toolguard.policies.loader import load_policy, policy_files
 from toolguard.policies.model import Policy, Problem
 from toolguard.policies.schemas import schema_problems
@@ -93,6 +94,9 @@ def check(
         tools_count = len(policy.tools)
         console.print(Text.assemble(("ok ", "bold green"), label,
                                     f": {tools_count} tool{'s' if tools_count != 1 else ''}"))
+        for warning in computed_write_warnings(policy, _argument_names(schemas)):
+            where = f"{warning.file}:{warning.line}: " if warning.file and warning.line else ""
+            console.print(Text.assemble(where, ("warning: ", "bold yellow"), warning.message))
     if problems:
         count = len(problems)
         console.print(Text(f"{count} problem{'s' if count != 1 else ''} found", style="red"))
@@ -103,6 +107,21 @@ def check(
             "were not checked against the tools' arguments (a template naming no argument fails "
             "every call). Check them with --tools MODULE:ATTR; ToolGuard checks them when it "
             "registers each tool.", style="yellow"))
+
+
+def _argument_names(schemas: Mapping[str, Any] | None) -> dict[str, list[str]] | None:
+    """Each given tool's argument names (``--tools``), for the warnings; None without them."""
+    if schemas is None:
+        return None
+    from toolguard.policies.strict import strict_model
+
+    names: dict[str, list[str]] = {}
+    for tool, source in schemas.items():
+        try:
+            names[tool] = list(strict_model(source, name=tool).model_fields)
+        except Exception:  # a schema problem is reported as one already
+            continue
+    return names
 
 
 def _has_templates(policy: Policy) -> bool:
