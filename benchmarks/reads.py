@@ -34,13 +34,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import LEADS, latency, run_arguments  # noqa: E402
-from _stats import Table, fmt_ratio, fmt_s, ratio, summarize  # noqa: E402
+from _harness import LEADS, latency, run_arguments
+from _stats import Table, fmt_ratio, fmt_s, ratio, summarize
 
-from toolguard import ToolGuard, connect, open_store  # noqa: E402
-from toolguard.call.context import CallContext  # noqa: E402
-from toolguard.call.intent import Intent, WorkflowIdentity  # noqa: E402
-from toolguard.policies import Policy  # noqa: E402
+from toolguard import ToolGuard, connect, open_store
+from toolguard.call.context import CallContext
+from toolguard.call.intent import Intent, WorkflowIdentity
+from toolguard.policies import Policy
 
 PLAIN = {"version": 1, "tools": {
     "get_score": {"read_only": True},
