@@ -38,7 +38,8 @@ def test_embedded_default_passes(runner: CliRunner, demo_home: dict) -> None:
     assert found["lock_server"] == found["store"] == found["schema"] == found["fences"] == "pass"
     assert found["redis_eviction"] == "skip"
     fences = next(c for c in data["checks"] if c["name"] == "fences")
-    assert fences["data"]["keys_checked"] == 6  # lead:L-101 .. lead:L-106
+    # lead:L-101 .. lead:L-106, and the decisions epilogue's two fenced accounts
+    assert fences["data"]["keys_checked"] == 8
     assert all(c["why"] for c in data["checks"])
 
 

@@ -26,6 +26,7 @@ from toolguard.runtime.extras import require
 if TYPE_CHECKING:
     from toolguard.demo import CrmReport, DemoEvent, Report
     from toolguard.demo.controls import ControlsReport
+    from toolguard.demo.decisions import DecisionsReport
 
 #: The demo's tools that write a lead or the CRM (request_review only asks a person).
 WRITE_TOOLS = frozenset({"enrich_lead", "update_intent_score", "verify_email", "set_tier",
@@ -101,6 +102,7 @@ def demo(
         if json_out:
             unguarded, guarded = _run(lock_url, store_url, policy, None)
             controls = _controls(lock_url, store_url)
+            decisions = _decisions(lock_url, store_url)
         else:
             out.print(Rule("toolguard demo: the lead qualifier", style="bold"))
             out.print(Text.assemble(
@@ -112,14 +114,17 @@ def demo(
                 ("  ·  CRM store ", "dim"), _crm_label(store_url)))
             unguarded, guarded = _run(lock_url, store_url, policy, out)
             controls = _controls(lock_url, store_url)
+            decisions = _decisions(lock_url, store_url)
     if json_out:
         typer.echo(json.dumps({"ok": guarded.correct, "guard_off": unguarded.as_dict(),
-                               "guard_on": guarded.as_dict(), "controls": controls.as_dict()},
+                               "guard_on": guarded.as_dict(), "controls": controls.as_dict(),
+                               "decisions": decisions.as_dict()},
                               indent=2, default=str))
     else:
         _summary(out, unguarded, guarded, store_url)
         _controls_summary(out, controls, store_url)
-    if not guarded.correct:
+        _decisions_summary(out, decisions)
+    if not guarded.correct or not decisions.checked.exact:
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -216,6 +221,33 @@ def _controls(lock_url: str, store_url: str) -> ControlsReport:
 
     options = {"timeout_s": 5.0} if store_url.startswith(("postgresql:", "postgres:")) else {}
     return run_controls(lock_url=lock_url, store_url=store_url, store_options=options)
+
+
+def _decisions(lock_url: str, store_url: str) -> DecisionsReport:
+    from toolguard.demo.decisions import run_decisions
+
+    options = {"timeout_s": 5.0} if store_url.startswith(("postgresql:", "postgres:")) else {}
+    return run_decisions(lock_url=lock_url, store_url=store_url, store_options=options)
+
+
+def _decisions_summary(out: Console, report: DecisionsReport) -> None:
+    """The epilogue's decisions across calls: three runs of two tellers on one balance."""
+    from toolguard.demo.decisions import EXPECTED
+
+    out.print()
+    out.print(Rule("Decisions across calls: two tellers read 100, each writes what it computed "
+                   "(+25, +30; demo/decisions.yml)", style="bold"))
+    stale = next((agent for agent, reasons in report.checked.reasons.items()
+                  if "stale_read" in reasons), "the later teller")
+    why = {"guard off": "a deposit lost",
+           "per-call guard": "each write fenced, and a decision on a stale read still lost one",
+           "reads declared": f"{stale}'s write refused stale_read; it read again and decided "
+                             f"again"}
+    for run in (report.off, report.per_call, report.checked):
+        style = "green" if run.exact else "red"
+        out.print(Text.assemble(("  • ", style), (f"{run.name:<15}", "bold"),
+                                (f"balance {run.balance}/{EXPECTED}", style), f"  ({why[run.name]})"
+                                if run.exact == (run.name == "reads declared") else ""))
 
 
 def _controls_summary(out: Console, report: ControlsReport, store_url: str) -> None:
