@@ -36,6 +36,8 @@ REASON_FIELDS: Mapping[str, str] = {
     "lease_lost": "ttl_ms",
     "not_owned": "ttl_ms",
     "stale_fencing_token": "locks",
+    "stale_read": "locks",
+    "unread": "requires_read",
     "missing_idempotency_key": "idempotency_key",
     "idempotency_conflict": "idempotency_key",
     "duplicate": "idempotency_key",

@@ -60,6 +60,10 @@ REASONS = {
     "duplicate": "already applied under this idempotency key: the recorded result was returned",
     "stale_fencing_token": "a newer lock holder had written: a stalled holder's late write was refused",
     "out_of_order": "an `after:` tool had not applied on this resource yet",
+    "read": "a read: the versions this caller saw of its keys were recorded",
+    "stale_read": "a key this caller read (or decides on) was written by someone else since: the "
+                  "decision rested on a stale read",
+    "unread": "the write needs a current read of a key by this caller and had none",
     "not_authorized": "this agent may not call this tool",
     "unknown_tool": "the tool is not in the policy (denied by default)",
     "invalid_arguments": "the arguments broke the tool's schema or a policy constraint",
