@@ -64,11 +64,11 @@ def test_a_first_attempt_runs_one_intent_statement_and_a_replay_reads_the_row(
         store.close()
     assert first.value == 1 and replay.replayed and replay.value == 1
     assert tuple(score) == (1,) and tuple(intents) == (1, "applied")
-    # BEGIN, the fence, the intent row (made: no read), the tool, the result, the audit row,
-    # COMMIT
-    assert applied[:3] == ["BEGIN", "INSERT", "INSERT"] and applied[-3:] == [
-        "UPDATE", "INSERT", "COMMIT"], applied
-    assert applied.count("SELECT") == 0 and len(applied) == 7, applied
+    # BEGIN, the fence, the intent row (made: no read), the tool, the result, the keys'
+    # versions (decisions across calls), the audit row, COMMIT
+    assert applied[:3] == ["BEGIN", "INSERT", "INSERT"] and applied[-4:] == [
+        "UPDATE", "INSERT", "INSERT", "COMMIT"], applied
+    assert applied.count("SELECT") == 0 and len(applied) == 8, applied
     # the replay: the intent row is there, so it is read; its fence advance is committed
     # (its audit row is written after, as every replay's)
     assert replayed[:5] == ["BEGIN", "INSERT", "INSERT", "SELECT", "COMMIT"], replayed
