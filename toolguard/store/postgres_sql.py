@@ -202,9 +202,9 @@ def _finish_params(tx: FencedTransaction | AsyncFencedTransaction, plan: FencePl
     """The finishing message of a fenced write (or a read) and its parameters."""
     values = _audit_values(entry)
     if plan.observe is not None:  # a read: record what was seen, audit, commit
-        keys = list(plan.keys)
-        return READ_FINISH_TX, (plan.observe.caller, text_array(keys),
-                                _bigint_array([tx.versions.get(k, 0) for k in keys]), *values)
+        return READ_FINISH_TX, (plan.observe.caller, text_array(plan.keys),
+                                _bigint_array([tx.versions.get(k, 0) for k in plan.keys]),
+                                *values)
     key = tx.intent.idempotency_key if tx.intent else None
     caller = plan.reads.caller if plan.reads is not None else None
     keys = text_array(plan.keys)
