@@ -261,3 +261,11 @@ def test_guarded_functions_take_the_conversation_from_thread_id(harness: Any) ->
     assert set_balance.run({"account_id": "acct", "balance": seen + 1}, call_id="w1",
                            thread_id="t-1").ok
     assert bank.balances("acct") == {"acct": 101}
+
+
+def test_after_a_read_points_at_requires_read() -> None:
+    with pytest.raises(PolicyProblems) as raised:
+        Policy.from_dict({"version": 1, "tools": {
+            "get_balance": {"reads": ["account:{account_id}"]},
+            "set_balance": {"locks": ["account:{account_id}"], "after": ["get_balance"]}}})
+    assert "requires_read: true" in str(raised.value)

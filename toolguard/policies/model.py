@@ -475,6 +475,12 @@ def policy_problems(policy: Policy) -> list[Problem]:
                 problems.append(policy.problem(path, f"{name!r} cannot run after itself"))
             elif earlier not in policy.tools:
                 problems.append(policy.problem(path, f"unknown tool {earlier!r}"))
+            elif policy.tools[earlier].reads or policy.tools[earlier].read_only:
+                problems.append(policy.problem(path, (
+                    f"{earlier!r} only reads, so 'after' can never be checked (it records no "
+                    f"applied write); to require a current read before {name!r} writes, give "
+                    f"{earlier!r} reads: [...] and {name!r} requires_read: true "
+                    f"(docs/decisions.md)")))
             elif not shared_resources(tool, policy.tools[earlier]):
                 problems.append(policy.problem(path, (
                     f"{name!r} and {earlier!r} lock no resource of the same kind, so 'after' "
