@@ -379,7 +379,7 @@ class ToolGuard:
             return
         try:
             with call.step(telemetry.SPAN_AUDIT):
-                if prepared.record.idempotency_key:
+                if prepared.record.idempotency_key and not prepared.reads:  # a read keeps none
                     self.store.mark_unknown(prepared.record.idempotency_key, prepared.record)
                 if not was_audited(error):
                     self.store.audit(state.entry(unknown(state.intent, prepared, error)))
@@ -518,7 +518,8 @@ class ToolGuard:
             return
         try:
             with call.step(telemetry.SPAN_AUDIT):
-                if prepared is not None and prepared.record.idempotency_key:
+                if prepared is not None and prepared.record.idempotency_key \
+                        and not prepared.reads:  # a read keeps no intent row
                     await self.async_store.mark_unknown(prepared.record.idempotency_key,
                                                         prepared.record)
                 if not was_audited(error):

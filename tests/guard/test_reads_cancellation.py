@@ -62,8 +62,11 @@ def test_a_read_cancelled_at_every_await_point(harness: Any) -> None:
                 rows = await asyncio.to_thread(h.decisions, call_id)
                 assert len(rows) == 1, (point, rows)
                 seen = await asyncio.to_thread(_observations, h, call_id)
-                # an observation only for a read its row says completed
+                # an observation only for a read its row says completed; a read keeps no intent
                 assert seen == (1 if rows[0] == ("accepted", "read") else 0), (point, rows, seen)
+                intents = await asyncio.to_thread(
+                    h.sql, "SELECT count(*) FROM toolguard_intent WHERE tool = 'get_score'")
+                assert intents == [(0,)], (point, intents)
                 follow = await asyncio.gather(*(guard.arun(_read_intent(f"after-{point}-{n}"),
                                                            _read_body) for n in range(5)))
                 assert all(d.reason == "read" for d in follow)
