@@ -1,0 +1,163 @@
+"""``open_guard``: one call builds a guard with both faces, from URLs, the environment or the default.
+
+Before it, a guard that served sync and asyncio calls took a policy loader, two
+lock connectors, two store openers and the guard (about 13 names), and an
+asyncio pair opened at startup belonged to the first event loop that used it:
+the second ``asyncio.run`` failed with "Event loop is closed". Each loop now
+gets a pair of its own, closed when the loop ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guard.harness import Backend
+from toolguard import open_guard
+from toolguard.adapters import guarded
+from toolguard.call.context import current
+from toolguard.errors import ConfigurationError, GuardMisconfigured
+from toolguard.open import OpenedGuard
+from toolguard.policies import Policy
+from toolguard.store import open_store
+
+POLICY = Policy.from_dict({"version": 1, "tools": {"add": {"locks": ["counter:{name}"]}}})
+POLICY_YAML = "version: 1\ntools:\n  add:\n    locks: ['counter:{name}']\n"
+
+
+def opened(backend: Backend, **options: Any) -> OpenedGuard:
+    guard = open_guard(POLICY, locks=backend.lock_url, store=backend.store_url,
+                       lock_options=backend.lock_options, store_options=backend.store_options,
+                       **options)
+    with guard.store.connection() as conn:  # type: ignore[union-attr]
+        conn.execute("CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, n INT)")
+        conn.execute("INSERT INTO counters VALUES ('c', 0) ON CONFLICT (name) DO NOTHING")
+    return guard
+
+
+def tools(guard: OpenedGuard) -> tuple[Any, Any]:
+    @guarded(guard, agent="counter")
+    def add(name: str, by: int) -> int:
+        tx = current().tx
+        (n,) = tx.execute("SELECT n FROM counters WHERE name = %s", (name,)).fetchone()
+        tx.execute("UPDATE counters SET n = %s WHERE name = %s", (n + by, name))
+        return int(n + by)
+
+    @guarded(guard, agent="counter", name="add")  # both are the policy's `add`
+    async def aadd(name: str, by: int) -> int:
+        tx = current().atx
+        cursor = await tx.execute("SELECT n FROM counters WHERE name = %s", (name,))
+        (n,) = await cursor.fetchone()
+        await tx.execute("UPDATE counters SET n = %s WHERE name = %s", (n + by, name))
+        return int(n + by)
+
+    return add, aadd
+
+
+def test_one_call_serves_sync_calls_and_async_calls_in_every_event_loop(backend: Backend) -> None:
+    with opened(backend) as guard:
+        add, aadd = tools(guard)
+
+        async def burst() -> list[int]:
+            return list(await asyncio.gather(*(aadd(name="c", by=1) for _ in range(4))))
+
+        assert add(name="c", by=10) == 10
+        first = asyncio.run(burst())
+        second = asyncio.run(burst())  # a loop of its own: a pair of its own
+        assert sorted(first) == [11, 12, 13, 14] and sorted(second) == [15, 16, 17, 18]
+        assert add(name="c", by=1) == 19
+        rows = guard.store.query_audit(tool="add")  # type: ignore[union-attr]
+        assert [row.decision for row in rows] == ["accepted"] * 10
+
+
+def test_each_loop_pair_is_closed_when_its_loop_ends(backend: Backend) -> None:
+    with opened(backend) as guard:
+        async def edges() -> tuple[Any, Any]:
+            locks, store = guard.async_locks, guard.async_store
+            assert locks is guard.async_locks and store is guard.async_store  # one per loop
+            assert await store.schema_version() > 0  # type: ignore[union-attr]
+            return locks, store
+
+        first = asyncio.run(edges())
+        assert not guard._pairs  # asyncio.run shut the pair down with its loop
+        second = asyncio.run(edges())
+        assert first[0] is not second[0] and first[1] is not second[1]
+        if backend.kind == "postgresql":
+            assert first[1]._pool.closed and second[1]._pool.closed
+
+
+def test_closing_refuses_later_calls_and_is_idempotent(backend: Backend) -> None:
+    guard = opened(backend)
+    add, _ = tools(guard)
+    assert add(name="c", by=1) == 1
+    guard.close()
+    guard.close()
+    assert guard.locks is None and guard.store is None
+    with pytest.raises(GuardMisconfigured, match="closed"):
+        add(name="c", by=1)
+
+
+def test_aclose_closes_the_loop_pair_and_the_sync_pair(backend: Backend) -> None:
+    guard = opened(backend)
+    _, aadd = tools(guard)
+
+    async def main() -> int:
+        async with guard:
+            added = int(await aadd(name="c", by=2))
+            with pytest.raises(GuardMisconfigured, match="aclose"):
+                guard.close()  # this loop's pair needs the loop to close it
+            return added
+
+    assert asyncio.run(main()) == 2
+    assert not guard._pairs and guard.store is None
+    with pytest.raises(GuardMisconfigured, match="closed"):
+        asyncio.run(aadd(name="c", by=1))
+
+
+def test_bad_urls_are_configuration_errors_naming_the_url(tmp_path: Path,
+                                                         postgres_url: str) -> None:
+    with pytest.raises(ConfigurationError, match=r"lock URL.*mysql://x/y"):
+        open_guard(POLICY, locks="mysql://x/y", store=f"sqlite:///{tmp_path}/s.db")
+    with pytest.raises(ConfigurationError, match=r"store URL 'mysql://x/y'.*unknown store URL"):
+        open_guard(POLICY, locks=f"sqlite:///{tmp_path}/l.db", store="mysql://x/y")
+    with pytest.raises(ConfigurationError, match=r"store URL.*sqlite:///"):
+        open_guard(POLICY, locks=f"sqlite:///{tmp_path}/l.db", store="sqlite:///")
+    missing = postgres_url.replace("://postgres@", "://postgres:s3cret@").rsplit("/", 1)[0]
+    with pytest.raises(ConfigurationError, match="does not exist") as caught:
+        open_guard(POLICY, locks=f"sqlite:///{tmp_path}/l.db", store=f"{missing}/no_such_db")
+    assert "no_such_db" in str(caught.value) and "s3cret" not in str(caught.value)
+    with pytest.raises(ConfigurationError, match="lock URL must be a string"):
+        open_guard(POLICY, locks=7)  # type: ignore[arg-type]
+
+
+def test_without_urls_the_settings_then_the_embedded_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str, postgres_url: str,
+        unique: str) -> None:
+    for name in ("TOOLGUARD_LOCK_URL", "TOOLGUARD_REDIS_URL", "TOOLGUARD_DATABASE_URL",
+                 "TOOLGUARD_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "policy.yml").write_text(POLICY_YAML)
+    with open_guard("policy.yml") as guard:
+        assert guard.lock_url == f"sqlite:///{tmp_path}/.toolguard/locks.db"
+        assert guard.store_url == f"sqlite:///{tmp_path}/.toolguard/store.db"
+        assert guard.store.schema_version() > 0  # type: ignore[union-attr]  # installed
+    monkeypatch.setenv("TOOLGUARD_REDIS_URL", redis_url)
+    monkeypatch.setenv("TOOLGUARD_DATABASE_URL", postgres_url)
+    schema = f"tg_open_{unique}"
+    try:
+        with open_guard("policy.yml", store_options={"schema": schema},
+                        lock_options={"prefix": f"tgopen:{unique}"}) as guard:
+            assert (guard.lock_url, guard.store_url) == (redis_url, postgres_url)
+            with guard.store.connection() as conn:  # type: ignore[union-attr]
+                conn.execute("CREATE TABLE counters (name TEXT PRIMARY KEY, n INT)")
+                conn.execute("INSERT INTO counters VALUES ('c', 0)")
+            add, aadd = tools(guard)
+            assert add(name="c", by=1) == 1 and asyncio.run(aadd(name="c", by=3)) == 4
+    finally:
+        with open_store(postgres_url, schema=schema).connection() as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
