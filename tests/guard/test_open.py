@@ -161,3 +161,41 @@ def test_without_urls_the_settings_then_the_embedded_default(
         with open_store(postgres_url, schema=schema).connection() as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
+
+
+def test_a_tool_node_runs_async_tools_under_ainvoke_in_two_event_loops(backend: Backend) -> None:
+    """The adapters need nothing but the opened guard: ``ainvoke`` finds this loop's pair."""
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from toolguard.adapters import GuardedToolCalls
+
+    with opened(backend) as guard:
+        @tool
+        async def add(name: str, by: int) -> str:
+            """Add to a counter."""
+            tx = current().atx
+            cursor = await tx.execute("SELECT n FROM counters WHERE name = %s", (name,))
+            (n,) = await cursor.fetchone()
+            await tx.execute("UPDATE counters SET n = %s WHERE name = %s", (n + by, name))
+            return str(n + by)
+
+        calls = GuardedToolCalls(guard, agent="counter")
+        node = ToolNode([add], wrap_tool_call=calls.wrap_tool_call,
+                        awrap_tool_call=calls.awrap_tool_call)
+        graph = StateGraph(MessagesState).add_node("tools", node).add_edge(START, "tools").compile()
+
+        async def ask(call_id: str) -> str:
+            message = AIMessage(content="", tool_calls=[
+                {"name": "add", "args": {"name": "c", "by": 5}, "id": call_id}])
+            reply = await graph.ainvoke({"messages": [message]},
+                                        {"configurable": {"thread_id": "t"}})
+            return str(reply["messages"][-1].content)
+
+        assert asyncio.run(ask("call-1")) == "5"
+        assert asyncio.run(ask("call-2")) == "10"
+        assert asyncio.run(ask("call-1")) == "5"  # a replay: the recorded answer
+        rows = guard.store.query_audit(tool="add")  # type: ignore[union-attr]
+        assert sorted(row.decision for row in rows) == ["accepted", "accepted", "replayed"]
