@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "controls": {"runtime", "call", "locks", "store", "policies"},
     "steps": {"runtime", "call", "locks", "store", "policies", "controls"},
     "guard": {"runtime", "call", "locks", "store", "policies", "controls", "steps"},
-    "open": {"runtime", "locks", "store", "policies", "guard"},
+    "open": {"runtime", "locks", "store", "policies", "steps", "guard"},
     "fences": {"runtime", "call", "locks", "store", "adapters"},
     "adapters": {"runtime", "call", "policies", "steps", "guard"},
     "gateway": {"runtime", "call", "policies", "fences", "guard"},

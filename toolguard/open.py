@@ -35,6 +35,7 @@ from toolguard.policies import Policy, load_policy
 from toolguard.policies.reload import PolicyWatcher
 from toolguard.runtime.cancellation import finish
 from toolguard.runtime.connection_errors import redacted_url
+from toolguard.steps.controls import Controls
 from toolguard.store import AsyncGuardedStore, GuardedStore, open_async_store, open_store
 
 __all__ = ["OpenedGuard", "open_guard"]
@@ -116,7 +117,21 @@ class OpenedGuard(ToolGuard):
         self._latest: _Pair | None = None  # what a thread without a loop sees (stable ids)
         self._mutex = threading.Lock()
         self._closed = False
+        #: The production controls per event loop (None: threads without one); their asyncio
+        #: locks and pools belong to one loop, as the pair's do.
+        self._controls: dict[asyncio.AbstractEventLoop | None, Controls] = {}
         super().__init__(policy, locks=locks, store=store, **options)
+
+    @property
+    def controls(self) -> Controls:
+        """The controls built for the running loop's pair, else those of the sync path."""
+        found = self._controls.get(_running_loop())
+        return found if found is not None else self._controls[None]
+
+    @controls.setter
+    def controls(self, value: Controls) -> None:
+        self._controls[_running_loop()] = value
+        self._controls.setdefault(None, value)
 
     # The asyncio edges: the pair of the running loop, opened on first use in it.
 
@@ -139,9 +154,8 @@ class OpenedGuard(ToolGuard):
         _refuse_edge("async_store", value)
 
     def _pair(self) -> _Pair | None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # a thread without a loop (the sync path, a worker thread)
+        loop = _running_loop()
+        if loop is None:  # a thread without a loop (the sync path, a worker thread)
             return self._latest
         with self._mutex:
             if self._closed:
@@ -175,6 +189,7 @@ class OpenedGuard(ToolGuard):
                     del self._pairs[loop]
                 if self._latest is pair:
                     self._latest = None
+                self._controls.pop(loop, None)
             try:
                 await pair.store.close()
             finally:
@@ -185,10 +200,7 @@ class OpenedGuard(ToolGuard):
     def close(self) -> None:
         """Close the sync lock manager and store (idempotent). Inside a coroutine whose loop
         has a pair open, use ``await guard.aclose()``: closing that pair needs the loop."""
-        try:
-            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = _running_loop()
         with self._mutex:
             if running is not None and running in self._pairs:
                 msg = "this guard's asyncio pair is open in the running loop: await guard.aclose()"
@@ -237,6 +249,13 @@ class OpenedGuard(ToolGuard):
         if self._closed:
             raise GuardMisconfigured(_CLOSED)
         return super()._async_edges()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _refuse_edge(name: str, value: object) -> None:

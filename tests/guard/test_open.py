@@ -10,6 +10,7 @@ gets a pair of its own, closed when the loop ends.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,60 @@ def test_a_tool_node_runs_async_tools_under_ainvoke_in_two_event_loops(backend: 
         assert asyncio.run(ask("call-1")) == "5"  # a replay: the recorded answer
         rows = guard.store.query_audit(tool="add")  # type: ignore[union-attr]
         assert sorted(row.decision for row in rows) == ["accepted", "accepted", "replayed"]
+
+
+class _HeldAfterEdges:
+    """The guard's schema check, holding the call in the thread ``hold_in`` (after it chose its
+    edges and controls, before it uses them) until ``release`` is set."""
+
+    def __init__(self, inner: Any, hold_in: str, reached: threading.Event,
+                 release: threading.Event) -> None:
+        self.inner, self.hold_in, self.reached, self.release = inner, hold_in, reached, release
+
+    def check(self, store: Any) -> None:
+        self.inner.check(store)
+
+    async def acheck(self, store: Any) -> None:
+        await self.inner.acheck(store)
+        if threading.current_thread().name == self.hold_in:
+            self.reached.set()
+            await asyncio.to_thread(self.release.wait, 120)
+
+
+def test_two_event_loops_at_once_each_use_the_controls_of_their_own_pair(
+        postgres_url: str, redis_url: str, unique: str) -> None:
+    """A call in loop A that chose its edges, then waited while a call in loop B ran to its
+    end, used B's quota backend (B's pool, closed with B's loop): the controls were one
+    attribute, rebuilt by whichever loop called last. Each loop now keeps its own."""
+    policy = Policy.from_dict({"version": 1, "tools": {"add": {
+        "locks": ["counter:{name}"], "quotas": [{"calls": 1000, "window": "1m", "per": "agent"}]}}})
+    backend = Backend.postgresql(postgres_url, redis_url, unique)
+    reached, released = threading.Event(), threading.Event()
+    results: dict[str, Any] = {}
+    try:
+        guard = open_guard(policy, locks=backend.lock_url, store=backend.store_url,
+                           lock_options=backend.lock_options, store_options=backend.store_options)
+        with guard, guard.store.connection() as conn:  # type: ignore[union-attr]
+            conn.execute("CREATE TABLE counters (name TEXT PRIMARY KEY, n INT)")
+            conn.execute("INSERT INTO counters VALUES ('c', 0)")
+            _, aadd = tools(guard)
+            guard._schema = _HeldAfterEdges(guard._schema, "loop-a", reached, released)
+
+            def in_loop(name: str) -> None:
+                try:
+                    results[name] = asyncio.run(aadd.arun({"name": "c", "by": 1},
+                                                          call_id=name, thread_id="t"))
+                finally:
+                    released.set()
+
+            a = threading.Thread(target=in_loop, args=("loop-a",), name="loop-a")
+            a.start()
+            assert reached.wait(120)
+            b = threading.Thread(target=in_loop, args=("loop-b",), name="loop-b")
+            b.start()
+            b.join()
+            a.join()
+        assert results["loop-b"].kind == "accepted", results["loop-b"]
+        assert results["loop-a"].kind == "accepted", results["loop-a"]
+    finally:
+        backend.drop()
