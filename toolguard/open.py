@@ -163,7 +163,8 @@ class OpenedGuard(ToolGuard):
             pair = self._pairs.get(loop)
             if pair is None:
                 for gone in [old for old in self._pairs if old.is_closed()]:
-                    del self._pairs[gone]  # closed without shutting down its async generators
+                    del self._pairs[gone]  # a loop closed without cancelling its tasks
+                    self._controls.pop(gone, None)
                 pair = self._open_pair(loop)
             return pair
 
