@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "controls": {"runtime", "call", "locks", "store", "policies"},
     "steps": {"runtime", "call", "locks", "store", "policies", "controls"},
     "guard": {"runtime", "call", "locks", "store", "policies", "controls", "steps"},
+    "open": {"runtime", "locks", "store", "policies", "steps", "guard"},
     "fences": {"runtime", "call", "locks", "store", "adapters"},
     "adapters": {"runtime", "call", "policies", "steps", "guard"},
     "gateway": {"runtime", "call", "policies", "fences", "guard"},
@@ -41,11 +42,11 @@ ALLOWED: dict[str, set[str]] = {
              "fences"},
     "cli": {"runtime", "call", "locks", "store", "policies", "controls", "guard", "fences",
             "gateway", "review", "demo"},
-    "face": {"runtime", "call", "locks", "store", "policies", "controls", "guard", "adapters",
-             "cli"},
+    "face": {"runtime", "call", "locks", "store", "policies", "controls", "guard", "open",
+             "adapters", "cli"},
 }
 #: rooms that never import a framework at module level (the plain path stays plain)
-CORE = {"runtime", "locks", "call", "store", "policies", "controls", "steps", "guard"}
+CORE = {"runtime", "locks", "call", "store", "policies", "controls", "steps", "guard", "open"}
 FRAMEWORKS = ("langgraph", "langchain", "langchain_core", "fastmcp", "mcp", "starlette", "httpx",
               "uvicorn", "typer", "rich")
 MAX_LINES = 800

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from toolguard.call.intent import Intent, WorkflowIdentity
     from toolguard.guard import ToolGuard
     from toolguard.locks import connect, connect_async
+    from toolguard.open import open_guard
     from toolguard.policies import Policy, ToolPolicy, load_policy
     from toolguard.runtime import telemetry as telemetry
     from toolguard.store import open_async_store, open_store
@@ -62,6 +63,7 @@ _LAZY = {
     "Policy": "toolguard.policies",
     "ToolPolicy": "toolguard.policies",
     "load_policy": "toolguard.policies",
+    "open_guard": "toolguard.open",
     "open_async_store": "toolguard.store",
     "open_store": "toolguard.store",
 }
@@ -204,5 +206,6 @@ __all__ = [
     "guarded",
     "load_policy",
     "open_async_store",
+    "open_guard",
     "open_store",
 ]
