@@ -11,6 +11,7 @@ the adapter is built with that tool.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -101,3 +102,16 @@ def test_a_policy_argument_the_function_lacks_is_reported_when_decorated(guarded
     g = guarded(TYPO)
     with pytest.raises(PolicyProblems, match="'ammount' is not an argument of the tool"):
         guarded_fn(g.guard, agent="billing")(pay)
+
+
+def test_guarded_mcp_tools_needs_an_identity_source_before_it_lists(guarded: Make) -> None:
+    from toolguard.fences.mcp_client import guarded_mcp_tools
+
+    g = guarded(read_only("pay"))
+
+    class Unreachable:
+        async def list_tools(self) -> Any:
+            raise AssertionError("listed before the identity was checked")
+
+    with pytest.raises(GuardMisconfigured, match="guarded_mcp_tools has no agent identity"):
+        asyncio.run(guarded_mcp_tools(g.guard, Unreachable()))
