@@ -27,7 +27,7 @@ DRIVER = """
 set -euo pipefail
 . .ci/postgres.sh
 trap pg_cleanup EXIT
-pg_pick
+pg_pick || exit 2  # as .ci/run: pg_pick || die ...
 echo "URL=$TOOLGUARD_TEST_DATABASE_URL"
 echo "PID=$PG_PRIVATE_PID"
 echo "DIR=$PG_PRIVATE_DIR"
