@@ -255,9 +255,9 @@ def _document_exists() -> None:
 IMPORTERS = ("tests", "examples", "benchmarks", "docs")
 
 
-def _imported_toolguard_modules() -> Iterator[tuple[str, str]]:
-    """(where, module) for every ``toolguard...`` module imported in IMPORTERS' code and
-    the docs' python blocks (the names after ``from toolguard.x import`` may be modules too)."""
+def _imported_toolguard_modules() -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(where, module, names) for every ``toolguard...`` module imported in IMPORTERS' code
+    and the docs' python blocks, with the names ``from module import`` takes from it."""
     sources: list[tuple[str, str]] = []
     for folder in IMPORTERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -273,19 +273,20 @@ def _imported_toolguard_modules() -> Iterator[tuple[str, str]]:
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
+                found = [(alias.name, ()) for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
+                found = [(node.module, tuple(a.name for a in node.names if a.name != "*"))]
             else:
                 continue
-            for name in names:
-                if name == "toolguard" or name.startswith("toolguard."):
-                    yield f"{where}:{node.lineno}", name
+            for module, names in found:
+                if module == "toolguard" or module.startswith("toolguard."):
+                    yield f"{where}:{node.lineno}", module, names
 
 
 def test_no_old_module_path_is_served_or_imported() -> None:
     """Modules live where ARCHITECTURE.md puts them, under one name each: no finder serves
     old paths (``toolguard.intent``), and nothing in this repository imports one."""
+    import importlib
     import importlib.util
     import subprocess
     import sys
@@ -298,6 +299,13 @@ def test_no_old_module_path_is_served_or_imported() -> None:
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
                           check=False, timeout=120)
     assert done.returncode == 0, done.stderr
-    missing = sorted({f"{where}: {name}" for where, name in _imported_toolguard_modules()
-                      if importlib.util.find_spec(name) is None})
-    assert not missing, missing
+    missing = set()
+    for where, module, names in _imported_toolguard_modules():
+        if importlib.util.find_spec(module) is None:
+            missing.add(f"{where}: no module {module}")
+            continue
+        loaded = importlib.import_module(module)
+        missing.update(f"{where}: {module} has no {name}" for name in names
+                       if not hasattr(loaded, name)
+                       and importlib.util.find_spec(f"{module}.{name}") is None)
+    assert not missing, sorted(missing)

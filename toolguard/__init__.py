@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from toolguard.guard import ToolGuard
     from toolguard.locks import connect, connect_async
     from toolguard.policies import Policy, ToolPolicy, load_policy
+    from toolguard.runtime import telemetry as telemetry
     from toolguard.store import open_async_store, open_store
 
 #: The one place the version is written (pyproject.toml reads it from here); no
@@ -66,16 +67,18 @@ _LAZY = {
 }
 
 
-#: Submodules reachable as attributes (``toolguard.locks.connect``) without importing them first.
-_SUBMODULES = frozenset({"adapters", "call", "config", "controls", "errors", "guard", "locks",
-                         "policies", "runtime", "store"})
+#: Modules reachable as attributes (``toolguard.locks.connect``) without importing them first;
+#: ``telemetry`` (``from toolguard import telemetry``) is ``toolguard.runtime.telemetry``.
+_SUBMODULES = {name: f"toolguard.{name}" for name in (
+    "adapters", "call", "config", "controls", "errors", "guard", "locks", "policies", "runtime",
+    "store")} | {"telemetry": "toolguard.runtime.telemetry"}
 
 
 def _load(name: str) -> Any:
     import importlib
 
     if name in _SUBMODULES:
-        return importlib.import_module(f"toolguard.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     module_name = _LAZY.get(name)
     if module_name is None:
         msg = f"module 'toolguard' has no attribute {name!r}"
