@@ -12,7 +12,7 @@ The telemetry setups, measured in rounds that rotate through them so slow
 drifts of the machine hit all alike, and compared with the first (the ratio):
 
 * package missing: what a guard costs when ``opentelemetry`` cannot be
-  imported (toolguard.telemetry's own "not installed" branch, switched on in
+  imported (toolguard.runtime.telemetry's own "not installed" branch, switched on in
   this process: the very code that runs when the import failed).
 * no provider: the API installed, no tracer or meter provider configured.
 * SDK, no processor: spans are made and dropped, metrics aggregated.

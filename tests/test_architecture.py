@@ -250,3 +250,63 @@ def test_the_checks_catch_what_they_are_for() -> None:
 @pytest.fixture(autouse=True)
 def _document_exists() -> None:
     assert DOCUMENT.exists(), "ARCHITECTURE.md is missing"
+
+
+#: Where code that imports toolguard lives in this repository, besides the package itself.
+IMPORTERS = ("tests", "examples", "benchmarks", "docs")
+
+
+def _imported_toolguard_modules() -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(where, module, names) for every ``toolguard...`` module imported in IMPORTERS' code
+    and the docs' python blocks, with the names ``from module import`` takes from it."""
+    sources: list[tuple[str, str]] = []
+    for folder in IMPORTERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            sources.append((str(path.relative_to(ROOT)), path.read_text(encoding="utf-8")))
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for index, block in enumerate(re.findall(r"```python[^\n]*\n(.*?)```", text, flags=re.S)):
+            sources.append((f"{page.relative_to(ROOT)} block {index + 1}", block))
+    for where, source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found = [(alias.name, ()) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found = [(node.module, tuple(a.name for a in node.names if a.name != "*"))]
+            else:
+                continue
+            for module, names in found:
+                if module == "toolguard" or module.startswith("toolguard."):
+                    yield f"{where}:{node.lineno}", module, names
+
+
+def test_no_old_module_path_is_served_or_imported() -> None:
+    """Modules live where ARCHITECTURE.md puts them, under one name each: no finder serves
+    old paths (``toolguard.intent``), and nothing in this repository imports one."""
+    import importlib
+    import importlib.util
+    import subprocess
+    import sys
+
+    probe = ("import sys, toolguard, importlib.util\n"
+             "assert not [f for f in sys.meta_path if type(f).__module__.startswith('toolguard')]\n"
+             "assert importlib.util.find_spec('toolguard.intent') is None\n"
+             "try:\n    import toolguard.intent\nexcept ModuleNotFoundError:\n    pass\n"
+             "else:\n    raise AssertionError('toolguard.intent was served')\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                          check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    missing = set()
+    for where, module, names in _imported_toolguard_modules():
+        if importlib.util.find_spec(module) is None:
+            missing.add(f"{where}: no module {module}")
+            continue
+        loaded = importlib.import_module(module)
+        missing.update(f"{where}: {module} has no {name}" for name in names
+                       if not hasattr(loaded, name)
+                       and importlib.util.find_spec(f"{module}.{name}") is None)
+    assert not missing, sorted(missing)

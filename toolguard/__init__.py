@@ -69,17 +69,18 @@ _LAZY = {
 }
 
 
-#: Submodules reachable as attributes (``toolguard.locks.connect``) without importing them first.
-_SUBMODULES = frozenset({"adapters", "call", "config", "context", "controls", "decision",
-                         "envelope", "errors", "extras", "guard", "intent", "locks", "policies",
-                         "runtime", "store", "telemetry"})
+#: Modules reachable as attributes (``toolguard.locks.connect``) without importing them first;
+#: ``telemetry`` (``from toolguard import telemetry``) is ``toolguard.runtime.telemetry``.
+_SUBMODULES = {name: f"toolguard.{name}" for name in (
+    "adapters", "call", "config", "controls", "errors", "guard", "locks", "policies", "runtime",
+    "store")} | {"telemetry": "toolguard.runtime.telemetry"}
 
 
 def _load(name: str) -> Any:
     import importlib
 
     if name in _SUBMODULES:
-        return importlib.import_module(f"toolguard.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     module_name = _LAZY.get(name)
     if module_name is None:
         msg = f"module 'toolguard' has no attribute {name!r}"
@@ -91,79 +92,6 @@ def _load(name: str) -> Any:
 
 if not TYPE_CHECKING:  # type checkers read the imports above: a name not there is an error
     __getattr__ = _load
-
-
-#: modules that moved into the rooms of ARCHITECTURE.md -> where they live now; code written
-#: against the old paths (``from toolguard.intent import Intent``) keeps working
-_MOVED = {
-    "toolguard.intent": "toolguard.call.intent",
-    "toolguard.envelope": "toolguard.call.envelope",
-    "toolguard.facts": "toolguard.call.facts",
-    "toolguard.decision": "toolguard.call.decision",
-    "toolguard.recording": "toolguard.call.recording",
-    "toolguard.context": "toolguard.call.context",
-    "toolguard.approvals": "toolguard.controls.approvals",
-    "toolguard.pause": "toolguard.controls.pause",
-    "toolguard.shadow": "toolguard.controls.shadow",
-    "toolguard.quotas": "toolguard.controls.quotas",
-    "toolguard.safe_text": "toolguard.runtime.safe_text",
-    "toolguard.cancellation": "toolguard.runtime.cancellation",
-    "toolguard.connection_errors": "toolguard.runtime.connection_errors",
-    "toolguard.telemetry": "toolguard.runtime.telemetry",
-    "toolguard.extras": "toolguard.runtime.extras",
-    "toolguard.doctor": "toolguard.cli.checks",
-    "toolguard.store.cli": "toolguard.cli.db",
-    "toolguard.policies.cli": "toolguard.cli.policy",
-}
-
-
-def _moved_to(name: str) -> str | None:
-    """Where the module ``name`` (an old path, or a module inside an old package) lives now."""
-    head = name
-    while head:
-        new = _MOVED.get(head)
-        if new is not None:
-            return new + name[len(head):]
-        head = head.rpartition(".")[0]
-    return None
-
-
-class _MovedModules:
-    """Finds an old module path and hands out the module from its new home: one module
-    object under both names, so state and ``monkeypatch`` targets are shared."""
-
-    def find_spec(self, name: str, path: object = None, target: object = None) -> Any:
-        if not name.startswith("toolguard.") or _moved_to(name) is None:
-            return None
-        from importlib.util import spec_from_loader
-
-        return spec_from_loader(name, self)  # type: ignore[arg-type]  # a Loader by protocol
-
-    def create_module(self, spec: Any) -> Any:
-        import importlib
-
-        new = _moved_to(spec.name)
-        assert new is not None
-        module = importlib.import_module(new)
-        spec.loader_state = module.__spec__  # the import machinery sets the old name's spec
-        return module
-
-    def exec_module(self, module: Any) -> None:
-        """Already run, under its new name: it gets its own spec back (``reload`` and tools
-        read ``__spec__``)."""
-        own = module.__spec__.loader_state
-        if own is not None:
-            module.__spec__ = own
-
-
-def _install_moved_modules() -> None:
-    import sys
-
-    if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _MovedModules())
-
-
-_install_moved_modules()
 
 
 def __dir__() -> list[str]:

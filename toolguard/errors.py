@@ -228,16 +228,16 @@ class PolicyError(ToolGuardError):
 class PolicyProblems(PolicyError):
     """Several things are wrong with a policy; ``problems`` lists each with its file:line.
 
-    The message is the first problem (and how many more), so a traceback stays
-    readable; ``toolguard policy check`` prints them all.
+    The message lists them all, one a line, first problem first, each with
+    its fix: the first line alone is the first thing to correct, and no fix
+    hides behind a count.
     """
 
     def __init__(self, problems: Iterable[object]) -> None:
         found = tuple(problems)
         first = found[0] if found else "invalid policy"
-        extra = len(found) - 1
-        more = f" (and {extra} more problem{'s' if extra > 1 else ''})" if extra > 0 else ""
-        super().__init__(f"{getattr(first, 'message', first)}{more}",
+        rest = "".join(f"\n{problem}" for problem in found[1:])
+        super().__init__(f"{getattr(first, 'message', first)}{rest}",
                          file=getattr(first, "file", None), line=getattr(first, "line", None))
         self.problems = found
 

@@ -300,13 +300,13 @@ def test_an_async_only_guard_refuses_to_be_built_with_sync_tools(async_only: Too
     with pytest.raises(GuardMisconfigured, match=r"'add_score', 'reassign_lead' are sync"):
         ToolGuardMiddleware(async_only, agent="scorer", tools=sync_tools)
     with pytest.raises(GuardMisconfigured, match=r"'reassign_lead' is sync"):
-        guard_tool(async_only, reassign_lead)
+        guard_tool(async_only, reassign_lead, agent="scorer")
     with pytest.raises(GuardMisconfigured, match="add_score is a sync function"):
-        @guarded(async_only, name="add_score")
+        @guarded(async_only, name="add_score", agent="scorer")
         def add_points(lead_id: str, delta: int) -> None: ...
 
     GuardedToolCalls(async_only, agent="scorer", tools=[async_reassign])  # async tools are fine
-    guard_tool(async_only, async_reassign)
+    guard_tool(async_only, async_reassign, agent="scorer")
 
 
 def test_without_tools_given_the_first_sync_call_names_the_nodes_sync_tools(

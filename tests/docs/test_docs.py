@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from toolguard.policies import load_policy
+from toolguard.policies import Policy, load_policy
 
 from .markdown import ROOT, Block, blocks, check_cli, check_command, commands, inline_commands, pages
 
@@ -58,17 +58,50 @@ def test_python_blocks_run_in_order(page: Path, fresh_dir: Path) -> None:
     assert ran or all(b.args == ("fragment",) for b in blocks(page) if b.lang == "python")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=IDS)
-def test_yaml_policy_blocks_load(page: Path, tmp_path: Path) -> None:
+def _policies(page: Path, folder: Path) -> list[tuple[Block, Policy]]:
+    """The page's policy blocks, each loaded (an AssertionError naming the block if one fails)."""
     policies = [b for b in blocks(page) if b.lang == "yaml" and b.text.lstrip().startswith(
         ("version:", "#")) and "version:" in b.text]
+    loaded = []
     for index, block in enumerate(policies):
-        path = tmp_path / (block.args[0] if block.args else f"block{index}.yml")
+        path = folder / (block.args[0] if block.args else f"block{index}.yml")
         path.write_text(block.text, encoding="utf-8")
         try:
-            load_policy(path)
+            loaded.append((block, load_policy(path)))
         except Exception as error:
             raise AssertionError(f"{block.where}: the policy does not load:\n{error}") from error
+    return loaded
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_yaml_policy_blocks_load(page: Path, tmp_path: Path) -> None:
+    _policies(page, tmp_path)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_policy_argument_limits_fit_the_input_limits(page: Path, tmp_path: Path) -> None:
+    """A constraint a guide shows can be reached: the input limits refuse nothing it allows.
+
+    The input limits (``limits:``, ``Limits``) are checked before any constraint: a
+    ``max_length: 20000`` under the default ``max_string: 4096`` reads as 20,000
+    characters allowed while everything over 4,096 is refused.
+    """
+    found = []
+    for block, policy in _policies(page, tmp_path):
+        for name, tool in policy.tools.items():
+            bound = tool.limits
+            for path, rule in tool.args.items():
+                where = f"{block.where}: tools.{name}.args.{path}"
+                for kind, value, limit in (("max_length", rule.max_length, bound.max_string),
+                                           ("min_length", rule.min_length, bound.max_string),
+                                           ("max_items", rule.max_items, bound.max_items),
+                                           ("min_items", rule.min_items, bound.max_items)):
+                    if value is not None and value > limit:
+                        found.append(f"{where}: {kind}: {value} is over the input limit "
+                                     f"({limit}); set limits: for the tool")
+                if len(path.parts) > bound.max_depth:
+                    found.append(f"{where}: nested deeper than limits.max_depth ({bound.max_depth})")
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)

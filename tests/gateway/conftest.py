@@ -186,13 +186,14 @@ def counter(tmp_path: Path, name: str) -> tuple[int, int]:
     return (row[0], row[1]) if row else (0, 0)
 
 
-def server_venv(package: str, *pins: str) -> Path:
-    """The ``bin`` folder of a virtualenv holding ``package`` from the index (made once, cached).
+def server_venv(package: str, version: str, *pins: str) -> Path:
+    """The ``bin`` folder of a virtualenv holding ``package==version`` from the index (made once,
+    cached).
 
     ``pins`` are extra requirements (``mcp<2`` for a server written against the SDK 1.x API);
-    the folder's name says them, so a change of pins makes a new virtualenv.
+    the folder's name says the version and them, so a change makes a new virtualenv.
     """
-    suffix = "".join(f"-{''.join(c if c.isalnum() else '_' for c in pin)}" for pin in pins)
+    suffix = "".join(f"-{''.join(c if c.isalnum() else '_' for c in pin)}" for pin in (version, *pins))
     venv = CACHE / "venvs" / f"{package}{suffix}"
     binary = venv / "bin" / package
     if binary.exists():
@@ -202,7 +203,7 @@ def server_venv(package: str, *pins: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test workers install it once
         if not binary.exists():
             subprocess.run([_base_python(), "-m", "venv", "--clear", str(venv)], check=True)
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", package, *pins],
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"{package}=={version}", *pins],
                            check=True)
     return venv / "bin"
 

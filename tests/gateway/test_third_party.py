@@ -21,6 +21,11 @@ from .conftest import ROOT, audit_rows, clean_env, server_venv, stdio_session, t
 pytestmark = pytest.mark.timeout(900)
 
 GUIDE = ROOT / "docs" / "gateway.md"
+#: The versions tested, which the guide names: a new release is tested before the guide says so.
+GIT_SERVER = ("mcp-server-git", "2026.10.19")
+SQLITE_SERVER = ("mcp-server-sqlite", "2025.4.25")
+#: mcp-server-sqlite is written against the MCP SDK's 1.x server API, which 2.x removed.
+SQLITE_SDK = "mcp<2"
 KEY = "toolguard/idempotency-key"
 
 
@@ -33,13 +38,19 @@ def guide_policy(tmp_path: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def git_server() -> Path:
-    return server_venv("mcp-server-git") / "mcp-server-git"
+    return server_venv(*GIT_SERVER) / "mcp-server-git"
 
 
 @pytest.fixture(scope="module")
 def sqlite_server() -> Path:
-    # written against the SDK's 1.x server API, which 2.x removed: the venv keeps 1.x
-    return server_venv("mcp-server-sqlite", "mcp<2") / "mcp-server-sqlite"
+    return server_venv(*SQLITE_SERVER, SQLITE_SDK) / "mcp-server-sqlite"
+
+
+def test_the_guide_names_the_tested_versions() -> None:
+    text = GUIDE.read_text(encoding="utf-8")
+    for name, version in (GIT_SERVER, SQLITE_SERVER):
+        assert f"| `{name}` | {version} |" in text, name
+    assert f"'{SQLITE_SERVER[0]}=={SQLITE_SERVER[1]}' '{SQLITE_SDK}'" in text
 
 
 def _git(repo: Path, *args: str) -> str:

@@ -61,12 +61,13 @@ def test_create_agent_middleware_serializes_and_refuses(harness, mode: str) -> N
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_create_agent_identity_from_metadata(harness, mode: str) -> None:
-    """Without ``agent=``, the identity is the run's ``toolguard_agent`` metadata."""
+    """With ``agent_from="metadata"``, the identity is the run's ``toolguard_agent`` metadata."""
     h: Harness = harness(LEAD_POLICY)
     tools = LeadTools()
     model = scripted(calls_message(("reassign_lead", {"lead_id": "a", "owner": "bo"}, "c1")),
                      AIMessage(content="done"))
-    agent = create_agent(model, tools.tools(), middleware=[ToolGuardMiddleware(h.guard)])
+    agent = create_agent(model, tools.tools(),
+                         middleware=[ToolGuardMiddleware(h.guard, agent_from="metadata")])
 
     out = run_agent(h, agent, mode, {"messages": [HumanMessage("route")]},
                     {"metadata": {"toolguard_agent": "router"}})

@@ -197,7 +197,8 @@ def test_a_function_the_policy_does_not_know_warns_at_decoration(harness: Harnes
 
     with pytest.warns(UnknownToolWarning):
         guard_tool(h.guard, StructuredTool.from_function(add_scroe.function, name="other",
-                                                         description="Not in the policy."))
+                                                         description="Not in the policy."),
+                   agent="scorer")
     allowing = ToolGuard(Policy.from_dict({"version": 1,
                                            "defaults": {"on_unknown_tool": "allow"}}),
                          locks=h.locks, store=h.store)

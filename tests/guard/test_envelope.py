@@ -392,10 +392,11 @@ def test_every_envelope_gets_exactly_one_audit_row(harness: HarnessFactory, adap
     runs: list[str] = []
     tools = {t.name: t for t in note_tools(runs)}
     threads = itertools.count()
-    calls = GuardedToolCalls(h.guard)  # identity from run metadata: part of the envelope
-    lc_tools = {name: guard_tool(h.guard, tool) for name, tool in tools.items()}
+    calls = GuardedToolCalls(h.guard, agent_from="metadata")  # identity: part of the envelope
+    lc_tools = {name: guard_tool(h.guard, tool, agent_from="metadata") for name, tool in tools.items()}
     body = "coroutine" if adapter == "function_async" else "func"
-    functions = {name: guarded(h.guard, name=name)(getattr(tool, body)) for name, tool in tools.items()}
+    functions = {name: guarded(h.guard, name=name, agent_from="call")(getattr(tool, body))
+                 for name, tool in tools.items()}
     loop = LoopThread(h) if adapter.endswith("_async") else None
     seen: dict[str, int] = {}
     tool_errors: list[Exception] = []

@@ -198,10 +198,10 @@ def test_refused_calls_come_back_as_error_messages_and_change_nothing(harness, m
 
 @pytest.mark.parametrize("mode", MODES)
 def test_agent_identity_comes_from_run_metadata(harness, mode: str) -> None:
-    """Without a fixed ``agent``, the run's ``toolguard_agent`` metadata is the identity."""
+    """With ``agent_from="metadata"``, the run's ``toolguard_agent`` metadata is the identity."""
     h: Harness = harness(LEAD_POLICY)
     tools = LeadTools()
-    calls = GuardedToolCalls(h.guard)
+    calls = GuardedToolCalls(h.guard, agent_from="metadata")
     turn = calls_message(("add_score", {"lead_id": "a", "delta": 1}, "c1"),
                          ("reassign_lead", {"lead_id": "a", "owner": "bob"}, "c2"))
     app = tool_graph(scripted(turn, AIMessage(content="done")), tools.tools(),

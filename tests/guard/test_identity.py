@@ -4,7 +4,9 @@ A ToolNode is a graph node called ``tools``; authorizing its calls as an agent
 named ``tools`` (what the node-name fallback did) grants them to an agent that
 does not exist. Without ``agent=`` and without the run's ``toolguard_agent``
 metadata every call is refused as ``missing_identity``, audited, on every
-adapter, sync and async; a ``"*"`` in the policy does not change that.
+adapter, sync and async; a ``"*"`` in the policy does not change that. (An adapter
+built with no identity source at all raises when built: tests/adapters/test_wiring_checks.py;
+these read the identity from run metadata, and the run has none.)
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def test_tool_node_without_identity_is_refused_not_authorized_as_its_node(harnes
                                                                           mode: str) -> None:
     h: Harness = harness(POLICY)
     tools = LeadTools()
-    calls = GuardedToolCalls(h.guard)  # neither agent= nor metadata
+    calls = GuardedToolCalls(h.guard, agent_from="metadata")  # and the run has no metadata
     app = tool_graph(scripted(calls_message(*CALLS), AIMessage(content="done")), tools.tools(),
                      wrap=calls.wrap_tool_call, awrap=calls.awrap_tool_call)
 
@@ -59,7 +61,7 @@ def test_create_agent_middleware_without_identity_is_refused(harness: HarnessFac
     h: Harness = harness(POLICY)
     tools = LeadTools()
     agent = create_agent(scripted(calls_message(*CALLS), AIMessage(content="done")),
-                         tools.tools(), middleware=[ToolGuardMiddleware(h.guard)])
+                         tools.tools(), middleware=[ToolGuardMiddleware(h.guard, agent_from="metadata")])
 
     out = invoke_graph(h, agent, mode, {"messages": [HumanMessage("go")]})
 
@@ -70,7 +72,7 @@ def test_create_agent_middleware_without_identity_is_refused(harness: HarnessFac
 def test_guarded_langchain_tools_without_identity_are_refused(harness: HarnessFactory, mode: str) -> None:
     h: Harness = harness(POLICY)
     tools = LeadTools()
-    guarded_tools = [guard_tool(h.guard, tool) for tool in tools.tools()]
+    guarded_tools = [guard_tool(h.guard, tool, agent_from="metadata") for tool in tools.tools()]
     app = tool_graph(scripted(calls_message(*CALLS), AIMessage(content="done")), guarded_tools)
 
     out = invoke_graph(h, app, mode, {"messages": [HumanMessage("go")]})
@@ -83,7 +85,7 @@ def test_identity_metadata_is_checked_not_coerced(harness: HarnessFactory) -> No
     h: Harness = harness({"version": 1, "tools": {
         "add_score": {"locks": ["lead:{lead_id}"], "agents": ["7", "scorer"]}}})
     tools = LeadTools()
-    calls = GuardedToolCalls(h.guard)
+    calls = GuardedToolCalls(h.guard, agent_from="metadata")
     turn = calls_message(("add_score", {"lead_id": "a", "delta": 1}, "c1"))
 
     for agent in (7, "", ["scorer"]):
@@ -106,7 +108,7 @@ def test_identity_metadata_is_checked_not_coerced(harness: HarnessFactory) -> No
 def test_a_guarded_function_without_an_agent_is_refused(harness: HarnessFactory) -> None:
     h: Harness = harness(POLICY)
 
-    @guarded(h.guard, name="reassign_lead")
+    @guarded(h.guard, name="reassign_lead", agent_from="call")
     def reassign(lead_id: str, owner: str) -> str:
         return "done"
 

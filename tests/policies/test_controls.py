@@ -94,7 +94,7 @@ def test_every_mistake_is_reported_with_its_line(tmp_path: Path) -> None:
         """)
     expected = [
         ("policy.yml:3: defaults.mode:", "'enforce' or 'shadow'"),
-        ("policy.yml:8: tools.transfer.approval.when[0].amount.gtt:", "did you mean 'gt'?"),
+        ("policy.yml:8: tools.transfer.approval.when[0].amount:", "'gtt' — did you mean 'gt'?"),
         ("policy.yml:9: tools.transfer.approval.expires:", "'5 minutes' is not a duration"),
         ("policy.yml:11: tools.transfer.quotas[0]:", "calls: needs a window"),
         ("policy.yml:12: tools.transfer.quotas[1]:", "takes a lease, not a window"),

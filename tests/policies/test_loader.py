@@ -98,7 +98,7 @@ def test_from_dict_and_python_objects_are_checked_too() -> None:
     with pytest.raises(PolicyProblems) as caught:
         Policy.from_dict({"version": 1, "tools": {"a": {"lokcs": []}}}, source="inline")
     assert caught.value.file == "inline"
-    assert "unknown field 'lokcs' (did you mean 'locks'?)" in str(caught.value)
+    assert "unknown field 'lokcs' — did you mean 'locks'?" in str(caught.value)
 
 
 def test_key_fn_is_carried(tmp_path: Path) -> None:
@@ -154,8 +154,8 @@ BROKEN = {
           a:
             locks: ["lead:{id}"]
             lokcs: ["x"]
-        """, 5, "tools.a.lokcs: unknown field 'lokcs' (did you mean 'locks'?)"),
-    "unknown top-level field": ("version: 1\ntool: {}\n", 2, "unknown field 'tool' (did you mean 'tools'?)"),
+        """, 5, "tools.a: unknown field 'lokcs' — did you mean 'locks'?"),
+    "unknown top-level field": ("version: 1\ntool: {}\n", 2, "unknown field 'tool' — did you mean 'tools'?"),
     "unknown constraint": ("""\
         version: 1
         tools:
@@ -163,7 +163,7 @@ BROKEN = {
             locks: ["lead:{id}"]
             args:
               score: {gte: 1}
-        """, 6, "tools.a.args.score.gte: unknown constraint 'gte' (did you mean 'ge'?)"),
+        """, 6, "tools.a.args.score: unknown constraint 'gte' — did you mean 'ge'?"),
     "ge above le": ("""\
         version: 1
         tools:
@@ -264,12 +264,39 @@ def test_broken_file_gives_file_line_and_reason(tmp_path: Path, case: str) -> No
     assert str(first).startswith(f"{path}:{line}: ")
 
 
-def test_error_message_carries_the_count(tmp_path: Path) -> None:
+def test_error_message_lists_every_problem_with_its_line(tmp_path: Path) -> None:
     path = write(tmp_path, "p.yml", 'version: 1\ntools:\n  a: {lokcs: 1, locks: ["l:{a}{b}"]}\n')
     with pytest.raises(PolicyProblems) as caught:
         load_policy(path)
-    assert str(caught.value).endswith("(and 1 more problem)")
+    lines = str(caught.value).splitlines()
+    assert len(lines) == len(caught.value.problems) == 2
+    assert all(line.startswith(f"{path}:3: tools.a") for line in lines), lines
+    assert "more problem" not in str(caught.value)
     assert caught.value.line == 3
+
+
+def test_a_typo_leads_with_its_fix_not_its_consequence(tmp_path: Path) -> None:
+    """``lock:`` for ``locks:`` says so first; the tool's 'no locks' is its consequence, not news."""
+    path = write(tmp_path, "p.yml", """\
+        version: 1
+        tools:
+          x:
+            lock: ["acct:{id}"]
+          y:
+            locks: ["acct:{id}"]
+            ttl_ms: -1
+          z:
+            read_only: true
+            lokcs: []
+        """)
+    with pytest.raises(PolicyProblems) as caught:
+        load_policy(path)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith(f"{path}:4: tools.x: unknown field 'lock' — did you mean 'locks'?")
+    assert lines[1].startswith(f"{path}:7: tools.y.ttl_ms: ")
+    assert lines[2].startswith(f"{path}:10: tools.z: unknown field 'lokcs' — did you mean 'locks'?")
+    assert len(lines) == 3, lines
+    assert not any("no locks" in line for line in lines)
 
 
 def test_missing_paths(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def test_field_errors_do_not_hide_the_whole_policy_checks(tmp_path: Path) -> Non
         (7, "tools.b: no locks"),
         (8, "tools.b.ttl_ms"),
         (11, "tools.c.after[0]: 'c' cannot run after itself"),
-        (14, "tools.d.lokcs: unknown field 'lokcs' (did you mean 'locks'?)"),
+        (14, "tools.d: unknown field 'lokcs' — did you mean 'locks'?"),
     ]
     assert len(found) == len(expected), found
     for (line, text), message in zip(expected, found, strict=True):  # in file order

@@ -19,7 +19,7 @@ from pydantic import BaseModel, create_model
 from toolguard.adapters._worker import has_sync_edges
 from toolguard.errors import GuardMisconfigured
 
-__all__ = ["InjectedKeys", "check_tools", "model_arguments", "model_schema", "runs_sync"]
+__all__ = ["InjectedKeys", "as_tool", "check_tools", "model_arguments", "model_schema", "runs_sync"]
 
 _ASYNC_ONLY = ("{where}: {tools} {verb} sync (no coroutine), and this guard has only asyncio "
                "locks and store (async_locks=, async_store=), so {pronoun} would run without a "
@@ -98,6 +98,15 @@ def model_arguments(args: Any, injected: frozenset[str]) -> Any:
     if not injected or not isinstance(args, Mapping):
         return args
     return {key: value for key, value in args.items() if key not in injected}
+
+
+def as_tool(tool: Any) -> Any:
+    """``tool`` as ToolNode and ``create_agent`` hold it: a plain function becomes a LangChain tool."""
+    if isinstance(tool, BaseTool) or not callable(tool):
+        return tool
+    from langchain_core.tools import tool as create_tool
+
+    return create_tool(tool)
 
 
 def runs_sync(tool: Any) -> bool:

@@ -8,9 +8,10 @@ import inspect
 import uuid
 import warnings
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Generic, ParamSpec, Self, TypeVar, cast, overload
+from typing import Any, Generic, Literal, ParamSpec, Self, TypeVar, cast, overload
 
 from toolguard.adapters._worker import has_sync_edges, in_worker
+from toolguard.adapters.identity import check_identity_source
 from toolguard.call.context import CallContext
 from toolguard.call.envelope import untrusted_intent
 from toolguard.call.intent import Intent
@@ -43,10 +44,12 @@ class GuardedFunction(Generic[P, R]):
     __name__: str  # the function's, as functools.update_wrapper copies it (with __doc__ and more)
 
     def __init__(self, guard: ToolGuard, function: Callable[P, R], *, name: str,
-                 agent: str | None, stacklevel: int = 2) -> None:
+                 agent: str | None, agent_from: Literal["call"] | None = None,
+                 stacklevel: int = 2) -> None:
         if agent is not None and (not isinstance(agent, str) or not agent):
             msg = f"agent= must be a non-empty string or None, got {agent!r:.40}"
             raise GuardMisconfigured(msg)
+        check_identity_source(agent, agent_from, f"@guarded {name}", source="call", resolver=False)
         self.guard = guard
         self.function = function
         #: The function called with validated keyword arguments (a dict, not ``P``).
@@ -206,17 +209,22 @@ def _arguments(ctx: CallContext) -> dict[str, Any]:
     return {name: getattr(ctx.model, name) for name in type(ctx.model).model_fields}
 
 
-def guarded(guard: ToolGuard, *, name: str | None = None, agent: str | None = None
+def guarded(guard: ToolGuard, *, name: str | None = None, agent: str | None = None,
+            agent_from: Literal["call"] | None = None
             ) -> Callable[[Callable[P, R]], GuardedFunction[P, R]]:
     """Decorator: ``@guarded(guard, agent="billing")`` turns a function into a guarded tool.
 
     The result is typed like the function (``ParamSpec``): a wrong argument type
     is a type-checker error and the return type flows through. A name the
-    policy does not know warns (``UnknownToolWarning``) here, at decoration.
+    policy does not know warns (``UnknownToolWarning``) here, at decoration,
+    and the policy is checked against the signature (``PolicyProblems``).
+    Without ``agent=``, say ``agent_from="call"``: each ``run``/``arun``
+    then gives ``agent=`` (a direct call has none and is refused); with
+    neither, decorating raises ``GuardMisconfigured``.
     """
 
     def decorate(function: Callable[P, R]) -> GuardedFunction[P, R]:
         return GuardedFunction(guard, function, name=name or function.__name__, agent=agent,
-                               stacklevel=3)
+                               agent_from=agent_from, stacklevel=3)
 
     return decorate

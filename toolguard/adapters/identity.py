@@ -6,23 +6,56 @@ whether a call comes through a ToolNode, a ``create_agent`` middleware or a
 LangChain tool. Nothing here raises or coerces: a broken envelope becomes an
 intent the guard refuses as ``invalid_intent``, audited.
 
-Identity comes from the host: the adapter's ``agent=`` or the run's metadata
-``toolguard_agent``; never from the model, never guessed from a node name.
-No identity is refused (``missing_identity``).
+Identity comes from the host: the adapter's ``agent=`` or, when the adapter
+is built with ``agent_from="metadata"``, the run's metadata ``toolguard_agent``;
+never from the model, never guessed from a node name. No identity is refused
+(``missing_identity``), and an adapter built with no identity source at all
+raises ``GuardMisconfigured`` at once (``check_identity_source``): every one of
+its calls would be refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from toolguard.call.envelope import untrusted_intent
 from toolguard.call.intent import Intent, Origin
+from toolguard.errors import GuardMisconfigured
 
-__all__ = ["AGENT_METADATA_KEY", "agent_from_metadata", "intent_from_call"]
+__all__ = ["AGENT_METADATA_KEY", "AgentFrom", "agent_from_metadata", "check_identity_source",
+           "intent_from_call"]
 
 #: The run-metadata key that names the calling agent (``config={"metadata": {...}}``).
 AGENT_METADATA_KEY = "toolguard_agent"
+#: Where an adapter without ``agent=`` reads the identity: ``"metadata"``, each run's metadata
+#: ``toolguard_agent`` (LangGraph, LangChain); ``"call"``, each ``run(agent=...)`` (functions).
+AgentFrom = Literal["metadata", "call"]
+
+_NO_SOURCE = ("{where} has no agent identity: every call would be refused missing_identity. "
+              "Give agent=\"<name>\"{resolver}, or agent_from=\"{source}\" {how}.")
+_HOW = {"metadata": "to read it from each run's config={\"metadata\": {\"toolguard_agent\": ...}}",
+        "call": "to give it to each call (run(args, agent=...), arun(args, agent=...))"}
+
+
+def check_identity_source(agent: Any, agent_from: Any, where: str, *,
+                          source: AgentFrom = "metadata", resolver: bool = True) -> None:
+    """Raise ``GuardMisconfigured`` unless the adapter has exactly one identity source.
+
+    ``source`` is the ``agent_from`` this adapter understands; ``resolver`` whether
+    ``agent`` may be a function of the request.
+    """
+    if agent_from is not None and agent_from != source:
+        msg = f"{where}: agent_from={agent_from!r:.40} is not known; use agent_from={source!r}"
+        raise GuardMisconfigured(msg)
+    if agent is not None and agent_from is not None:
+        msg = (f"{where}: give one identity source, agent= or agent_from={source!r}, not both "
+               f"(agent= would win over every {source} identity silently)")
+        raise GuardMisconfigured(msg)
+    if agent is None and agent_from is None:
+        msg = _NO_SOURCE.format(where=where, source=source, how=_HOW[source],
+                                resolver=" (or a function of the request)" if resolver else "")
+        raise GuardMisconfigured(msg)
 
 
 def intent_from_call(call: Any, *, agent: Any, runtime: Any = None, config: Any = None,

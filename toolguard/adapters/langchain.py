@@ -25,7 +25,12 @@ from toolguard.adapters._tools import (
     runs_sync,
 )
 from toolguard.adapters._worker import has_sync_edges, in_worker
-from toolguard.adapters.identity import intent_from_call
+from toolguard.adapters.identity import (
+    AGENT_METADATA_KEY,
+    AgentFrom,
+    check_identity_source,
+    intent_from_call,
+)
 from toolguard.call.context import CallContext
 from toolguard.call.intent import Intent
 from toolguard.guard import Decision, ToolGuard
@@ -44,7 +49,9 @@ class GuardedTool(BaseTool):
     refused call never reaches ``inner``, whatever it holds. Whatever ``inner``
     raises on a call toolguard accepted (a tool error its ``handle_tool_error``
     does not handle) is recorded as failed and raised unchanged. The agent
-    identity is ``agent``, else the run's metadata ``toolguard_agent``.
+    identity is ``agent``, or with ``agent_from="metadata"`` the run's
+    metadata ``toolguard_agent``; with neither, building it raises
+    ``GuardMisconfigured``.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -52,10 +59,17 @@ class GuardedTool(BaseTool):
     inner: BaseTool
     guard: Any
     agent: str | None = None
+    #: ``"metadata"``: the identity is each run's metadata ``toolguard_agent`` (no ``agent``).
+    agent_from: AgentFrom | None = None
     #: Put the decision under ``response_metadata["toolguard"]`` of the answers (``guard_tool``'s
     #: ``metadata=``); ``metadata`` itself is the wrapped tool's, as hosts and tracing read it.
     decision_metadata: bool = True
     _injected: InjectedKeys = PrivateAttr(default_factory=InjectedKeys)
+
+    def model_post_init(self, context: Any, /) -> None:
+        super().model_post_init(context)
+        check_identity_source(self.agent, self.agent_from, f"guard_tool({self.name!r})",
+                              resolver=False)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - invoke is overridden
         msg = "GuardedTool runs through invoke()"
@@ -68,7 +82,9 @@ class GuardedTool(BaseTool):
         # ToolNode passes the values it injected (state, store, runtime) in the call's
         # args: they are the host's, not the model's, and never part of the intent.
         args = model_arguments(call.get("args"), self._injected.of(self.inner))
-        agent = self.agent or (config.get("metadata") or {}).get("toolguard_agent")
+        agent = self.agent
+        if agent is None and self.agent_from == "metadata":
+            agent = (config.get("metadata") or {}).get(AGENT_METADATA_KEY)
         intent = intent_from_call({**call, "args": args}, agent=agent, config=config,
                                   origin="model" if is_call else "python", expected_tool=self.name)
         return intent, call
@@ -129,7 +145,7 @@ def _call_id(call: dict[str, Any]) -> str | None:
 
 
 def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None,
-               metadata: bool = True) -> GuardedTool:
+               agent_from: AgentFrom | None = None, metadata: bool = True) -> GuardedTool:
     """A guarded copy of ``tool``: what hosts read off a tool is the tool's own.
 
     Every field ``BaseTool`` declares is copied: name, description, argument
@@ -140,8 +156,14 @@ def guard_tool(guard: ToolGuard, tool: BaseTool, *, agent: str | None = None,
     without the decision. A sync ``tool`` (no coroutine) needs a guard with
     ``locks=`` and ``store=`` (its ``ainvoke`` runs the sync guarded call in a
     worker thread): with only asyncio edges this raises ``GuardMisconfigured``.
+    The identity is ``agent``, or ``agent_from="metadata"`` (each run's
+    metadata ``toolguard_agent``); with neither this raises
+    ``GuardMisconfigured``. The policy is checked against the tool's
+    arguments here (``PolicyProblems``).
     """
+    check_identity_source(agent, agent_from, f"guard_tool({tool.name!r})", resolver=False)
     check_tools(guard, [tool], "guard_tool")
     guard.register(tool.name, model_schema(tool, InjectedKeys().of(tool)))
     own = {name: getattr(tool, name) for name in BaseTool.model_fields}
-    return GuardedTool(**own, inner=tool, guard=guard, agent=agent, decision_metadata=metadata)
+    return GuardedTool(**own, inner=tool, guard=guard, agent=agent, agent_from=agent_from,
+                       decision_metadata=metadata)

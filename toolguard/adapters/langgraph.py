@@ -35,13 +35,19 @@ from toolguard.adapters._messages import (
 from toolguard.adapters._outcome import ToolOutcome
 from toolguard.adapters._tools import (
     InjectedKeys,
+    as_tool,
     check_tools,
     model_arguments,
     model_schema,
     runs_sync,
 )
 from toolguard.adapters._worker import has_sync_edges, in_worker, worker_execute
-from toolguard.adapters.identity import agent_from_metadata, intent_from_call
+from toolguard.adapters.identity import (
+    AgentFrom,
+    agent_from_metadata,
+    check_identity_source,
+    intent_from_call,
+)
 from toolguard.call.context import CallContext
 from toolguard.call.intent import Intent
 from toolguard.guard import Decision, ToolGuard
@@ -56,19 +62,24 @@ class GuardedToolCalls:
     """The ``wrap_tool_call`` / ``awrap_tool_call`` pair for a ``ToolNode``.
 
     ``agent`` is the identity the policy authorizes, given by the host: a
-    fixed name (one ToolNode per agent) or a function of the request. Without
-    it, the run's metadata ``toolguard_agent`` names the agent
-    (``config={"metadata": {"toolguard_agent": "router"}}``); a call with
-    neither is refused (``missing_identity``), whatever the policy's
-    ``agents:`` says. ``metadata=False`` leaves the tool's answers without
-    ``response_metadata["toolguard"]``.
+    fixed name (one ToolNode per agent) or a function of the request. Or
+    ``agent_from="metadata"``: the run's metadata ``toolguard_agent`` names
+    the agent (``config={"metadata": {"toolguard_agent": "router"}}``), and a
+    run without it is refused (``missing_identity``), whatever the policy's
+    ``agents:`` says. With neither, building it raises ``GuardMisconfigured``:
+    every call would be refused. ``metadata=False`` leaves the tool's answers
+    without ``response_metadata["toolguard"]``.
 
     Under ``ainvoke``/``astream`` a sync tool (no coroutine) runs its sync
     guarded call in a worker thread when the guard has ``locks=`` and
     ``store=`` (``toolguard.adapters._worker``); a guard with only asyncio
     edges cannot run one. ``tools=`` (the ToolNode's tools) checks that when
     the wrapper is built and raises ``GuardMisconfigured`` naming the sync
-    tools; without it, the first such call raises it.
+    tools; without it, the first such call raises it. ``tools=`` also checks
+    the policy against each tool's arguments now (``PolicyProblems``: an
+    ``args:`` or lock template naming an argument the tool lacks), as
+    ``ToolGuard.register`` does; without it, that check runs at each tool's
+    first call.
 
     Put it innermost (directly around ToolNode's ``execute``, i.e. last in a
     ``create_agent`` middleware list): then it guards every tool that really
@@ -77,21 +88,29 @@ class GuardedToolCalls:
     """
 
     def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
-                 metadata: bool = True, tools: Iterable[Any] | None = None) -> None:
-        if tools is not None:
-            check_tools(guard, tools, type(self).__name__)
+                 agent_from: AgentFrom | None = None, metadata: bool = True,
+                 tools: Iterable[Any] | None = None) -> None:
+        check_identity_source(agent, agent_from, type(self).__name__)
         self.guard = guard
         self.metadata = metadata
         self._agent = agent if callable(agent) else (lambda _r: agent) \
             if agent is not None else agent_from_metadata
         self._injected = InjectedKeys()
+        if tools is not None:
+            tools = [as_tool(tool) for tool in tools]
+            check_tools(guard, tools, type(self).__name__)
+            for tool in tools:  # the policy against each tool's arguments: PolicyProblems now
+                self._register(tool)
+
+    def _register(self, tool: Any) -> None:
+        if not self.guard.has_schema(tool.name):
+            self.guard.register(tool.name, model_schema(tool, self._injected.of(tool)))
 
     def _intent(self, request: ToolCallRequest) -> Intent:
         tool, call = request.tool, _envelope(request)
         args = call.get("args")
         if tool is not None:
-            if not self.guard.has_schema(tool.name):
-                self.guard.register(tool.name, model_schema(tool, self._injected.of(tool)))
+            self._register(tool)
             args = model_arguments(args, self._injected.of(tool))
         runtime = request.runtime
         return intent_from_call({**call, "args": args}, agent=self._agent(request),
@@ -177,19 +196,25 @@ def _tool_names(request: ToolCallRequest) -> list[str]:
 class ToolGuardMiddleware(AgentMiddleware):
     """``create_agent`` middleware guarding every tool call (sync and async).
 
-    ``agent``, ``metadata`` and ``tools`` (the agent's tools, checked against
-    the guard's edges now) as for ``GuardedToolCalls``. The first middleware
+    ``agent``, ``agent_from``, ``metadata`` and ``tools`` (the agent's tools,
+    checked against the guard's edges and the policy now) as for
+    ``GuardedToolCalls``: without ``agent=`` or ``agent_from="metadata"`` it
+    raises ``GuardMisconfigured``. The first middleware
     listed is the outermost: list toolguard last among the tool-call
     middlewares (after human approval and tool retry), so it sits directly
     around the tool's execution.
     """
 
     def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
-                 metadata: bool = True, tools: Iterable[Any] | None = None) -> None:
+                 agent_from: AgentFrom | None = None, metadata: bool = True,
+                 tools: Iterable[Any] | None = None) -> None:
         super().__init__()
-        if tools is not None:
-            check_tools(guard, tools, type(self).__name__)
-        self.calls = GuardedToolCalls(guard, agent=agent, metadata=metadata)
+        check_identity_source(agent, agent_from, type(self).__name__)
+        known = None if tools is None else [as_tool(tool) for tool in tools]
+        if known is not None:
+            check_tools(guard, known, type(self).__name__)
+        self.calls = GuardedToolCalls(guard, agent=agent, agent_from=agent_from,
+                                      metadata=metadata, tools=known)
 
     def wrap_tool_call(self, request: ToolCallRequest,
                        handler: Callable[[ToolCallRequest], Output]) -> Output:

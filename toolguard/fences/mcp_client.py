@@ -20,7 +20,7 @@ policy decides their locks, and the server checks the tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from toolguard.errors import GuardMisconfigured
 from toolguard.fences.outgoing import outgoing_fences
@@ -80,6 +80,7 @@ def _caller(session: FencedSession, name: str, failure: type[Exception]) -> Any:
 
 
 async def guarded_mcp_tools(guard: Any, session: Any, *, agent: str | None = None,
+                            agent_from: Literal["metadata"] | None = None,
                             signer: FenceSigner | None = None) -> list[Any]:
     """Guarded LangChain tools for every tool the MCP server lists, forwarding fences.
 
@@ -87,11 +88,17 @@ async def guarded_mcp_tools(guard: Any, session: Any, *, agent: str | None = Non
     in ``FencedSession(session, signer=signer)`` here if it is not already; a
     ``FencedSession`` given with a ``signer`` here too is a mistake that raises). An MCP error result raises
     ``ToolException``, so the guard rolls the call back and audits it as failed.
+    The identity is ``agent``, or ``agent_from="metadata"`` (each run's
+    ``toolguard_agent``), as for ``guard_tool``; with neither this raises
+    ``GuardMisconfigured`` before it lists anything.
     """
     from langchain_core.tools import StructuredTool, ToolException
 
     from toolguard.adapters import guard_tool
+    from toolguard.adapters.identity import check_identity_source
 
+    # before listing: an identity mistake is the caller's, whatever the server offers
+    check_identity_source(agent, agent_from, "guarded_mcp_tools", resolver=False)
     if isinstance(session, FencedSession):
         if signer is not None and session.signer is not signer:
             msg = "guarded_mcp_tools: the FencedSession has its own signer; give it only once"
@@ -109,5 +116,5 @@ async def guarded_mcp_tools(guard: Any, session: Any, *, agent: str | None = Non
         wrapped = StructuredTool.from_function(coroutine=call, name=name,
                                                description=tool.description or name,
                                                args_schema=schema)
-        out.append(guard_tool(guard, wrapped, agent=agent))
+        out.append(guard_tool(guard, wrapped, agent=agent, agent_from=agent_from))
     return out

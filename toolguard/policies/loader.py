@@ -20,7 +20,15 @@ from pydantic import BaseModel, ValidationError
 
 from toolguard.call.intent import IdempotencyKeyFn
 from toolguard.errors import PolicyProblems
-from toolguard.policies.model import ArgConstraint, Location, Policy, Problem, dotted, locate
+from toolguard.policies.model import (
+    ArgConstraint,
+    Location,
+    Policy,
+    Problem,
+    ToolPolicy,
+    dotted,
+    locate,
+)
 
 __all__ = ["build_policy", "load_policy", "policy_files", "read_policy_data"]
 
@@ -28,6 +36,7 @@ PathLike = str | os.PathLike[str]
 Locations = dict[tuple[str | int, ...], Location]
 _SUFFIXES = (".yml", ".yaml")
 _MAX_ERRORS_PER_FIELD = 3
+_TOOL_FIELDS = [name for name in ToolPolicy.model_fields if not name.startswith("_")]
 _PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 #: Spellings from JSON Schema, pydantic v1 and habit, mapped to the constraint they mean.
 _CONSTRAINT_ALIASES = {
@@ -166,8 +175,11 @@ def _drop_invalid(data: dict[str, Any], error: ValidationError, dropped: dict[st
                 tools[name] = {"read_only": True}  # stands in for the broken tool: it exists
                 dropped.setdefault(name, set()).add("*")
             else:
-                tools[name].pop(str(loc[2]), None)
-                dropped.setdefault(name, set()).add(str(loc[2]))
+                field = str(loc[2])
+                tools[name].pop(field, None)
+                # A misspelt field stands for the one it resembles: 'lock' dropped is 'locks' missing.
+                meant = [] if field in _TOOL_FIELDS else difflib.get_close_matches(field, _TOOL_FIELDS, n=1)
+                dropped.setdefault(name, set()).update({field, *meant})
         elif loc[0] == "tools":
             return False  # the tools mapping itself (e.g. a bad tool name): nothing to check
         elif len(loc) >= 2 and isinstance(data.get(str(loc[0])), dict):
@@ -222,7 +234,9 @@ def validation_problems(error: ValidationError, locations: Mapping[tuple[str | i
             continue
         where = locate(locations, loc)
         message = _message(item["type"], loc, item["msg"])
-        problems.append(Problem(f"{dotted(loc)}: {message}" if loc else message, where.file, where.line))
+        # An unknown field is a problem of the mapping it sits in: "tools.x: unknown field 'lock'".
+        path = loc[:-1] if item["type"] == "extra_forbidden" else loc
+        problems.append(Problem(f"{dotted(path)}: {message}" if path else message, where.file, where.line))
     return problems
 
 
@@ -376,9 +390,9 @@ def _message(kind: str, loc: tuple[str | int, ...], text: str) -> str:
         is_constraint = _model_at(loc[:-1]) is ArgConstraint
         close = ([_CONSTRAINT_ALIASES[name]] if is_constraint and name in _CONSTRAINT_ALIASES
                  else difflib.get_close_matches(name, allowed, n=1))
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = f" — did you mean {close[0]!r}?" if close else ""
         noun = "constraint" if is_constraint else "field"
-        return f"unknown {noun} {name!r}{hint}; known: {allowed_text}"
+        return f"unknown {noun} {name!r}{hint} (known: {allowed_text})"
     if kind == "missing":
         return "required field missing"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
