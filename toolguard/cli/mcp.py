@@ -27,6 +27,7 @@ TOKENS_ENV = "TOOLGUARD_GATEWAY_TOKENS"
 
 if TYPE_CHECKING:
     from toolguard.gateway import Identity, Upstream
+    from toolguard.gateway.door import Door
 
 __all__ = ["mcp_app"]
 
@@ -61,6 +62,18 @@ TokenOption = Annotated[list[str] | None, typer.Option(
 ListenOption = Annotated[str | None, typer.Option(
     "--listen", metavar="HOST:PORT", show_default=False,
     help="Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio.")]
+AllowHostOption = Annotated[list[str] | None, typer.Option(
+    "--allow-host", metavar="NAME", envvar="TOOLGUARD_GATEWAY_ALLOWED_HOSTS", show_envvar=True,
+    show_default=False,
+    help="With --listen: another Host name to answer (a DNS name, a reverse proxy's; "
+         "*.example.com works). Repeatable. By default only the listen address and, on "
+         "loopback, localhost: a request for any other Host is refused 421 (DNS rebinding).")]
+AllowOriginOption = Annotated[list[str] | None, typer.Option(
+    "--allow-origin", metavar="ORIGIN", envvar="TOOLGUARD_GATEWAY_ALLOWED_ORIGINS",
+    show_envvar=True, show_default=False,
+    help="With --listen: a browser origin allowed to call the gateway "
+         "(https://app.example.com). Repeatable. Any other Origin than the request's own "
+         "is refused 403.")]
 HideOption = Annotated[bool, typer.Option(
     "--hide-unlisted", help="List only the tools the policy lets this agent call.")]
 AudienceOption = Annotated[str | None, typer.Option(
@@ -140,8 +153,24 @@ def _signer(audience: str | None, key_file: Path | None) -> Any:
     return FenceSigner(load_signing_key(key_file), audience=audience)
 
 
+def _door(listen: str | None, allow_host: list[str] | None,
+          allow_origin: list[str] | None) -> Door | None:
+    """Where and for whom the gateway listens (None: stdio)."""
+    from toolguard.gateway.door import Door, split_list
+
+    if listen is None:
+        if allow_host or allow_origin:
+            fail("--allow-host and --allow-origin are for a gateway that listens: give "
+                 "--listen HOST:PORT too", EXIT_USAGE)
+        return None
+    host, port = _listen_address(listen)
+    with failures("listen"):
+        return Door(host, port, allowed_hosts=split_list(allow_host),
+                    allowed_origins=split_list(allow_origin))
+
+
 async def _serve(policy_path: Path, upstream: Upstream, identity: Identity, *, store: str | None,
-                 locks: str | None, listen: str | None, hide_unlisted: bool,
+                 locks: str | None, door: Door | None, hide_unlisted: bool,
                  elicit: bool, signer: Any = None) -> None:
     from toolguard.gateway import open_gateway
     from toolguard.guard import ToolGuard
@@ -156,17 +185,14 @@ async def _serve(policy_path: Path, upstream: Upstream, identity: Identity, *, s
         server = await open_gateway(guard, upstream, identity=identity,
                                     hide_unlisted=hide_unlisted, elicit=elicit, signer=signer)
         shown_store = redact(store) if store else "./.toolguard/store.db"
-        if listen is None:
+        if door is None:
             _say(f"toolguard gateway: stdio in front of {upstream.label} · policy {policy_path} "
                  f"· store {shown_store}")
             await server.run_async(transport="stdio", show_banner=False)
             return
-        host, port = _listen_address(listen)
-        where = f"[{host}]" if ":" in host else host
-        _say(f"toolguard gateway: http://{where}:{port}/mcp in front of {upstream.label} · "
+        _say(f"toolguard gateway: {door.url} in front of {upstream.label} · "
              f"policy {policy_path} · store {shown_store} · Ctrl-C stops it")
-        await server.run_async(transport="http", host=host, port=port, show_banner=False,
-                               log_level="warning")
+        await door.serve(server)
     finally:
         await _close(guard)
 
@@ -192,30 +218,35 @@ def _run(policy: Path, upstream: Upstream, identity: Identity, **options: Any) -
 @mcp_app.command("proxy")
 def proxy(policy: PolicyOption, command: CommandArgument = None, upstream: UpstreamOption = None,
           store: StoreOption = None, locks: LocksOption = None, agent: AgentOption = None,
-          token: TokenOption = None, listen: ListenOption = None, hide_unlisted: HideOption = False,
+          token: TokenOption = None, listen: ListenOption = None,
+          allow_host: AllowHostOption = None, allow_origin: AllowOriginOption = None,
+          hide_unlisted: HideOption = False,
           elicit: ElicitOption = True, sign_for: AudienceOption = None,
           signing_key: SigningKeyOption = None) -> None:
     """Serve an MCP server in front of UPSTREAM: every tools/call guarded by the policy."""
     _need_extra()
     target = _upstream(command, upstream)
     identity = _identity(agent, token, listen)
+    door = _door(listen, allow_host, allow_origin)
     with failures("toolguard mcp"):
         signer = _signer(sign_for, signing_key)
-    _run(policy, target, identity, store=store, locks=locks, listen=listen,
+    _run(policy, target, identity, store=store, locks=locks, door=door,
          hide_unlisted=hide_unlisted, elicit=elicit, signer=signer)
 
 
 @mcp_app.command("example")
 def example(listen: ListenOption = None, agent: Annotated[str, typer.Option(
         "--agent", metavar="NAME", help="The agent the calls run as.")] = "example",
-        store: StoreOption = None, locks: LocksOption = None) -> None:
+        store: StoreOption = None, locks: LocksOption = None,
+        allow_host: AllowHostOption = None, allow_origin: AllowOriginOption = None) -> None:
     """The gateway in front of the bundled example server (a ticket board), with its policy."""
     _need_extra()
     from toolguard.gateway.example import POLICY_PATH, SERVER_MODULE
 
     target = _upstream([sys.executable, "-m", SERVER_MODULE], None)
     identity = _identity(agent, None, listen)
-    _run(POLICY_PATH, target, identity, store=store, locks=locks, listen=listen,
+    door = _door(listen, allow_host, allow_origin)
+    _run(POLICY_PATH, target, identity, store=store, locks=locks, door=door,
          hide_unlisted=False, elicit=True)
 
 
