@@ -3,7 +3,9 @@
 ``proxy`` serves stdio (a desktop client launches it) or streamable HTTP
 (``--listen``) in front of one upstream MCP server, a command after ``--`` or
 ``--upstream URL``; locks and store default to the embedded SQLite files, as
-for ``toolguard demo``. Off loopback, ``--listen`` needs ``--token``. Start-up
+for ``toolguard demo``. Off loopback, ``--listen`` needs ``--token`` or OAuth
+(``--jwks-url``); every listening gateway checks Host and Origin and the
+credential before any MCP processing (``toolguard.gateway.door``). Start-up
 problems (a schema toolguard cannot enforce, a policy template naming an
 argument the upstream lacks, an unreachable upstream) exit 2 with one line
 each. Needs the ``mcp`` extra. See docs/gateway.md.
