@@ -47,6 +47,8 @@ HOSTS_ENV = "TOOLGUARD_GATEWAY_ALLOWED_HOSTS"
 ORIGINS_ENV = "TOOLGUARD_GATEWAY_ALLOWED_ORIGINS"
 #: At most one log line per this many seconds about refused requests (each is counted).
 LOG_EVERY_S = 10.0
+#: FastMCP's loggers that write a line per refused credential: ``DoorWatch`` sums them up.
+_PER_REQUEST_LOGGERS = ("fastmcp.server.auth.middleware", "mcp.server.auth.middleware.bearer_auth")
 #: The statuses only the door answers with: FastMCP's Host guard (421), its Origin guard
 #: (403) and the bearer-token middleware (401); MCP itself answers none of them.
 _REFUSALS = {421: "host", 403: "origin", 401: "credential"}
@@ -113,6 +115,8 @@ class Door:
         app = server.http_app(path=MCP_PATH, transport="http", host_origin_protection=True,
                               allowed_hosts=self.hosts(),
                               allowed_origins=list(self.allowed_origins))
+        for name in _PER_REQUEST_LOGGERS:  # one line per refused request is no summary
+            logging.getLogger(name).setLevel(logging.WARNING)
         return DoorWatch(app)
 
     async def serve(self, server: FastMCP, *, log_level: str = "warning") -> None:
