@@ -467,3 +467,22 @@ def test_oauth_settings_are_refused_at_start_up(tmp_path: Path, issuer: Issuer) 
             ([*listen, "--issuer", issuer.url], "--jwks-url")):
         done = run(*args)
         assert done.returncode == 2 and said in done.stderr, (args, done.stderr)
+
+
+def test_a_session_belongs_to_the_credential_that_opened_it(tmp_path: Path, start_gateway) -> None:
+    """Bob holding Alice's session id still calls as no one but himself: refused, not run."""
+    gateway = start_gateway("--token", ALICE, "--token", "bob:" + "b" * 24)
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "Authorization": "Bearer " + "a" * 24}
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "bump", "arguments": {"counter": "s", "by": 1}}}
+    with httpx.Client(timeout=120) as client:
+        opened = client.post(gateway.url, content=json.dumps(INITIALIZE), headers=headers)
+        session = opened.headers["mcp-session-id"]
+        headers["Mcp-Session-Id"] = session
+        client.post(gateway.url, content=json.dumps(
+            {"jsonrpc": "2.0", "method": "notifications/initialized"}), headers=headers)
+        taken = client.post(gateway.url, content=json.dumps(call),
+                            headers={**headers, "Authorization": "Bearer " + "b" * 24})
+    assert opened.status_code == 200 and 400 <= taken.status_code < 500, taken.status_code
+    assert upstream_calls(tmp_path) == [] and audit_rows(tmp_path) == []
