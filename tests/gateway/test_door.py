@@ -464,7 +464,8 @@ def test_oauth_settings_are_refused_at_start_up(tmp_path: Path, issuer: Issuer) 
             ([*listen, *oauth_args(issuer), "--jwt-algorithm", "none"], "never none"),
             ([*listen, *oauth_args(issuer), "--jwt-algorithm", "HS256"], "never none"),
             ([*oauth_args(issuer)], "--listen"),
-            ([*listen, "--issuer", issuer.url], "--jwks-url")):
+            ([*listen, "--issuer", issuer.url], "--jwks-url"),
+            (["--listen", f"0.0.0.0:{free_port()}", *oauth_args(issuer)], "--resource-url")):
         done = run(*args)
         assert done.returncode == 2 and said in done.stderr, (args, done.stderr)
 

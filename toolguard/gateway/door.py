@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from fastmcp import FastMCP
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["HOSTS_ENV", "MCP_PATH", "ORIGINS_ENV", "Door", "DoorWatch", "is_loopback"]
+__all__ = ["HOSTS_ENV", "MCP_PATH", "ORIGINS_ENV", "Door", "DoorWatch", "is_loopback", "split_list"]
 
 log = logging.getLogger("toolguard.gateway")
 

@@ -88,6 +88,12 @@ class OAuthSettings:
         if not resource_url.rstrip("/").endswith(MCP_PATH):
             msg = f"--resource-url names the gateway's {MCP_PATH} endpoint, got {resource_url!r}"
             raise GuardMisconfigured(msg)
+        from urllib.parse import urlsplit
+
+        if urlsplit(resource_url).hostname in ("0.0.0.0", "::"):
+            msg = (f"{resource_url} is no URL a client can reach: behind --listen on all "
+                   f"addresses, give --resource-url with the gateway's public name")
+            raise GuardMisconfigured(msg)
         base = resource_url.rstrip("/")[: -len(MCP_PATH)]
         try:
             issuer = AnyHttpUrl(self.issuer)
