@@ -125,7 +125,7 @@ def test_tools_list_can_be_filtered_to_what_the_agent_may_call(tmp_path: Path) -
 
     names = {tool.name for tool in asyncio.run(run()).tools}
     assert names == {"bump", "attach", "close", "slow", "progress", "fails",
-                     "peek_env"}  # not forbidden
+                     "peek_env", "peek_header"}  # not forbidden
 
 
 def test_upstream_error_results_and_progress_pass_through(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@
 (``max_inside``): two calls serialized by the gateway never overlap. ``slow``
 writes its process id to ``UPSTREAM_PID_FILE`` and then waits, so a test can
 kill the server mid-call. ``forbidden`` is a tool the tests' policy denies: it
-records every call that reaches it. ``progress`` reports progress. With
+records every call that reaches it. ``progress`` reports progress; ``peek_header``
+tells what an HTTP header was (with ``UPSTREAM_HTTP_PORT`` it serves streamable
+HTTP instead of stdio). With
 ``UPSTREAM_HOSTILE_SCHEMA=1`` it also lists a tool whose schema uses ``not``.
 """
 
@@ -128,6 +130,14 @@ async def peek_env(name: str) -> bool:
 
 
 @mcp.tool
+async def peek_header(name: str) -> str | None:
+    """The HTTP header ``name`` this call came with (served over HTTP), None without it."""
+    from fastmcp.server.dependencies import get_http_headers
+
+    return get_http_headers(include_all=True).get(name.lower())
+
+
+@mcp.tool
 async def fails(counter: str) -> ToolResult:
     """Answer with an error result (isError), which the gateway passes on unchanged."""
     _note("fails", counter)
@@ -143,4 +153,8 @@ if os.environ.get("UPSTREAM_HOSTILE_SCHEMA") == "1":
         "type": "object", "properties": {"counter": {"not": {"type": "integer"}}}}}))
 
 if __name__ == "__main__":
-    mcp.run(transport="stdio", show_banner=False)
+    if os.environ.get("UPSTREAM_HTTP_PORT"):  # streamable HTTP, for an --upstream URL
+        mcp.run(transport="http", host="127.0.0.1", port=int(os.environ["UPSTREAM_HTTP_PORT"]),
+                show_banner=False, log_level="warning")
+    else:
+        mcp.run(transport="stdio", show_banner=False)

@@ -3,7 +3,9 @@
 ``proxy`` serves stdio (a desktop client launches it) or streamable HTTP
 (``--listen``) in front of one upstream MCP server, a command after ``--`` or
 ``--upstream URL``; locks and store default to the embedded SQLite files, as
-for ``toolguard demo``. Off loopback, ``--listen`` needs ``--token``. Start-up
+for ``toolguard demo``. Off loopback, ``--listen`` needs ``--token`` or OAuth
+(``--jwks-url``); every listening gateway checks Host and Origin and the
+credential before any MCP processing (``toolguard.gateway.door``). Start-up
 problems (a schema toolguard cannot enforce, a policy template naming an
 argument the upstream lacks, an unreachable upstream) exit 2 with one line
 each. Needs the ``mcp`` extra. See docs/gateway.md.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -24,9 +27,13 @@ from toolguard.runtime.extras import install_hint
 
 #: Where ``--token`` is read from when not given (kept in step with ``toolguard.gateway.server``).
 TOKENS_ENV = "TOOLGUARD_GATEWAY_TOKENS"
+#: The least time between two JWKS fetches for an unknown key id (seconds, default 30).
+JWKS_REFRESH_ENV = "TOOLGUARD_GATEWAY_JWKS_REFRESH_S"
 
 if TYPE_CHECKING:
     from toolguard.gateway import Identity, Upstream
+    from toolguard.gateway.door import Door
+    from toolguard.gateway.oauth import OAuthSettings
 
 __all__ = ["mcp_app"]
 
@@ -57,10 +64,49 @@ TokenOption = Annotated[list[str] | None, typer.Option(
     "--token", metavar="AGENT:TOKEN", envvar=TOKENS_ENV, show_envvar=True,
     show_default=False,
     help="With --listen: a bearer token and the agent it identifies (16 characters or more). "
-         "Repeatable. With tokens, a request without a known token has no identity (refused).")]
+         "Repeatable. With tokens, a request without a known token is answered 401 before "
+         "any MCP processing.")]
 ListenOption = Annotated[str | None, typer.Option(
     "--listen", metavar="HOST:PORT", show_default=False,
     help="Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio.")]
+AllowHostOption = Annotated[list[str] | None, typer.Option(
+    "--allow-host", metavar="NAME", envvar="TOOLGUARD_GATEWAY_ALLOWED_HOSTS", show_envvar=True,
+    show_default=False,
+    help="With --listen: another Host name to answer (a DNS name, a reverse proxy's; "
+         "*.example.com works). Repeatable. By default only the listen address and, on "
+         "loopback, localhost: a request for any other Host is refused 421 (DNS rebinding).")]
+AllowOriginOption = Annotated[list[str] | None, typer.Option(
+    "--allow-origin", metavar="ORIGIN", envvar="TOOLGUARD_GATEWAY_ALLOWED_ORIGINS",
+    show_envvar=True, show_default=False,
+    help="With --listen: a browser origin allowed to call the gateway "
+         "(https://app.example.com). Repeatable. Any other Origin than the request's own "
+         "is refused 403.")]
+JwksOption = Annotated[str | None, typer.Option(
+    "--jwks-url", metavar="URL", envvar="TOOLGUARD_GATEWAY_JWKS_URL", show_envvar=True,
+    show_default=False,
+    help="With --listen: accept OAuth access tokens signed by the keys published at this "
+         "JWKS URL (the authorization server's jwks_uri). Needs --issuer and --audience.")]
+IssuerOption = Annotated[str | None, typer.Option(
+    "--issuer", metavar="ISS", envvar="TOOLGUARD_GATEWAY_ISSUER", show_envvar=True,
+    show_default=False, help="With --jwks-url: the tokens' issuer (iss), exactly.")]
+TokenAudienceOption = Annotated[str | None, typer.Option(
+    "--audience", metavar="AUD", envvar="TOOLGUARD_GATEWAY_AUDIENCE", show_envvar=True,
+    show_default=False,
+    help="With --jwks-url: the audience (aud) tokens must be issued for: this gateway.")]
+AgentClaimOption = Annotated[str | None, typer.Option(
+    "--agent-claim", metavar="CLAIM", envvar="TOOLGUARD_GATEWAY_AGENT_CLAIM", show_envvar=True,
+    show_default=False,
+    help="With --jwks-url: the claim naming the agent a call runs as (default: sub).")]
+AlgorithmOption = Annotated[str | None, typer.Option(
+    "--jwt-algorithm", metavar="ALG", envvar="TOOLGUARD_GATEWAY_JWT_ALGORITHM",
+    show_envvar=True, show_default=False,
+    help="With --jwks-url: the one signature algorithm accepted (default RS256; ES256, "
+         "EdDSA...; never none or HS*).")]
+ResourceOption = Annotated[str | None, typer.Option(
+    "--resource-url", metavar="URL", envvar="TOOLGUARD_GATEWAY_RESOURCE_URL", show_envvar=True,
+    show_default=False,
+    help="With --listen: the gateway's public URL of /mcp, as clients reach it behind a "
+         "proxy (default http://HOST:PORT/mcp); its host is answered too.")]
 HideOption = Annotated[bool, typer.Option(
     "--hide-unlisted", help="List only the tools the policy lets this agent call.")]
 AudienceOption = Annotated[str | None, typer.Option(
@@ -100,27 +146,55 @@ def _listen_address(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _identity(agent: str | None, tokens: list[str] | None, listen: str | None) -> Identity:
+def _identity(agent: str | None, tokens: list[str] | None, listen: str | None,
+              oauth: OAuthSettings | None = None) -> Identity:
     from toolguard.gateway import Identity
+    from toolguard.gateway.door import is_loopback
     from toolguard.gateway.identity import parse_token
-    from toolguard.review.security import is_loopback
 
     with failures("identity"):
         mapping: dict[str, str] = {}
         for text in tokens or ():
             named, secret = parse_token(text)
             mapping[secret] = named
-        identity = Identity(agent=agent, tokens=mapping)
-    if mapping and listen is None:
-        fail("--token identifies HTTP clients: give --listen HOST:PORT too (a stdio client "
-             "is named with --agent)", EXIT_USAGE)
-    if agent is None and not mapping:
-        fail("give --agent NAME (or --listen with --token AGENT:TOKEN): without an agent "
-             "identity every call would be refused", EXIT_USAGE)
-    if listen is not None and not mapping and not is_loopback(_listen_address(listen)[0]):
+        identity = Identity(agent=agent, tokens=mapping, oauth=oauth)
+    if identity.credentials and listen is None:
+        fail("--token and OAuth identify HTTP clients: give --listen HOST:PORT too (a stdio "
+             "client is named with --agent)", EXIT_USAGE)
+    if identity.credentials and agent is not None:
+        fail("--agent names the one client of a gateway without credentials; with --token or "
+             "OAuth each request's agent comes from its credential", EXIT_USAGE)
+    if agent is None and not identity.credentials:
+        fail("give --agent NAME (or --listen with --token AGENT:TOKEN or OAuth): without an "
+             "agent identity every call would be refused", EXIT_USAGE)
+    if listen is not None and not identity.credentials \
+            and not is_loopback(_listen_address(listen)[0]):
         fail(f"{listen} is not a loopback address: anyone who reaches it would call the upstream "
-             f"as {agent!r}. Give --token AGENT:TOKEN, or listen on 127.0.0.1.", EXIT_USAGE)
+             f"as {agent!r}. Give --token AGENT:TOKEN or OAuth, or listen on 127.0.0.1.",
+             EXIT_USAGE)
     return identity
+
+
+def _oauth(jwks_url: str | None, issuer: str | None, audience: str | None,
+           agent_claim: str | None, algorithm: str | None) -> OAuthSettings | None:
+    """The OAuth settings, when --jwks-url is given (None otherwise)."""
+    if jwks_url is None:
+        given = [name for name, value in (("--issuer", issuer), ("--audience", audience),
+                                          ("--agent-claim", agent_claim)) if value]
+        if given:
+            fail(f"{', '.join(given)} configure OAuth: give --jwks-url URL too", EXIT_USAGE)
+        return None
+    from toolguard.gateway.oauth import OAuthSettings
+
+    refresh = os.environ.get(JWKS_REFRESH_ENV)
+    with failures("oauth"):
+        try:
+            refresh_s = float(refresh) if refresh else 30.0
+        except ValueError:
+            fail(f"{JWKS_REFRESH_ENV} takes seconds, got {refresh!r}", EXIT_USAGE)
+        return OAuthSettings(jwks_url=jwks_url, issuer=issuer or "", audience=audience or "",
+                             agent_claim=agent_claim or "sub", algorithm=algorithm or "RS256",
+                             jwks_refresh_s=refresh_s)
 
 
 def _say(text: str) -> None:
@@ -140,8 +214,24 @@ def _signer(audience: str | None, key_file: Path | None) -> Any:
     return FenceSigner(load_signing_key(key_file), audience=audience)
 
 
+def _door(listen: str | None, allow_host: list[str] | None,
+          allow_origin: list[str] | None, resource_url: str | None = None) -> Door | None:
+    """Where and for whom the gateway listens (None: stdio)."""
+    from toolguard.gateway.door import Door, split_list
+
+    if listen is None:
+        if allow_host or allow_origin or resource_url:
+            fail("--allow-host, --allow-origin and --resource-url are for a gateway that "
+                 "listens: give --listen HOST:PORT too", EXIT_USAGE)
+        return None
+    host, port = _listen_address(listen)
+    with failures("listen"):
+        return Door(host, port, allowed_hosts=split_list(allow_host),
+                    allowed_origins=split_list(allow_origin), resource_url=resource_url)
+
+
 async def _serve(policy_path: Path, upstream: Upstream, identity: Identity, *, store: str | None,
-                 locks: str | None, listen: str | None, hide_unlisted: bool,
+                 locks: str | None, door: Door | None, hide_unlisted: bool,
                  elicit: bool, signer: Any = None) -> None:
     from toolguard.gateway import open_gateway
     from toolguard.guard import ToolGuard
@@ -154,19 +244,17 @@ async def _serve(policy_path: Path, upstream: Upstream, identity: Identity, *, s
                       async_store=open_async_store(store, install=True))
     try:
         server = await open_gateway(guard, upstream, identity=identity,
-                                    hide_unlisted=hide_unlisted, elicit=elicit, signer=signer)
+                                    hide_unlisted=hide_unlisted, elicit=elicit, signer=signer,
+                                    resource_url=door.url if door is not None else None)
         shown_store = redact(store) if store else "./.toolguard/store.db"
-        if listen is None:
+        if door is None:
             _say(f"toolguard gateway: stdio in front of {upstream.label} · policy {policy_path} "
                  f"· store {shown_store}")
             await server.run_async(transport="stdio", show_banner=False)
             return
-        host, port = _listen_address(listen)
-        where = f"[{host}]" if ":" in host else host
-        _say(f"toolguard gateway: http://{where}:{port}/mcp in front of {upstream.label} · "
+        _say(f"toolguard gateway: {door.url} in front of {upstream.label} · "
              f"policy {policy_path} · store {shown_store} · Ctrl-C stops it")
-        await server.run_async(transport="http", host=host, port=port, show_banner=False,
-                               log_level="warning")
+        await door.serve(server)
     finally:
         await _close(guard)
 
@@ -192,30 +280,39 @@ def _run(policy: Path, upstream: Upstream, identity: Identity, **options: Any) -
 @mcp_app.command("proxy")
 def proxy(policy: PolicyOption, command: CommandArgument = None, upstream: UpstreamOption = None,
           store: StoreOption = None, locks: LocksOption = None, agent: AgentOption = None,
-          token: TokenOption = None, listen: ListenOption = None, hide_unlisted: HideOption = False,
+          token: TokenOption = None, listen: ListenOption = None,
+          allow_host: AllowHostOption = None, allow_origin: AllowOriginOption = None,
+          jwks_url: JwksOption = None, issuer: IssuerOption = None,
+          audience: TokenAudienceOption = None, agent_claim: AgentClaimOption = None,
+          jwt_algorithm: AlgorithmOption = None, resource_url: ResourceOption = None,
+          hide_unlisted: HideOption = False,
           elicit: ElicitOption = True, sign_for: AudienceOption = None,
           signing_key: SigningKeyOption = None) -> None:
     """Serve an MCP server in front of UPSTREAM: every tools/call guarded by the policy."""
     _need_extra()
     target = _upstream(command, upstream)
-    identity = _identity(agent, token, listen)
+    oauth = _oauth(jwks_url, issuer, audience, agent_claim, jwt_algorithm)
+    identity = _identity(agent, token, listen, oauth)
+    door = _door(listen, allow_host, allow_origin, resource_url)
     with failures("toolguard mcp"):
         signer = _signer(sign_for, signing_key)
-    _run(policy, target, identity, store=store, locks=locks, listen=listen,
+    _run(policy, target, identity, store=store, locks=locks, door=door,
          hide_unlisted=hide_unlisted, elicit=elicit, signer=signer)
 
 
 @mcp_app.command("example")
 def example(listen: ListenOption = None, agent: Annotated[str, typer.Option(
         "--agent", metavar="NAME", help="The agent the calls run as.")] = "example",
-        store: StoreOption = None, locks: LocksOption = None) -> None:
+        store: StoreOption = None, locks: LocksOption = None,
+        allow_host: AllowHostOption = None, allow_origin: AllowOriginOption = None) -> None:
     """The gateway in front of the bundled example server (a ticket board), with its policy."""
     _need_extra()
     from toolguard.gateway.example import POLICY_PATH, SERVER_MODULE
 
     target = _upstream([sys.executable, "-m", SERVER_MODULE], None)
     identity = _identity(agent, None, listen)
-    _run(POLICY_PATH, target, identity, store=store, locks=locks, listen=listen,
+    door = _door(listen, allow_host, allow_origin)
+    _run(POLICY_PATH, target, identity, store=store, locks=locks, door=door,
          hide_unlisted=False, elicit=True)
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import mcp_types
-from fastmcp.server.dependencies import get_http_headers
+from fastmcp.server.dependencies import get_access_token, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import Tool, ToolResult
 from mcp.shared.exceptions import MCPError
@@ -159,7 +159,7 @@ class GatewayMiddleware(Middleware):
         tools = await call_next(context)
         if not self.hide_unlisted:
             return tools
-        agent = self.identity.agent_of(_headers())
+        agent = self.identity.agent_of(get_access_token())
         policy = self.guard.policy
         return [tool for tool in tools if may_call(policy, tool.name, agent)]
 
@@ -196,7 +196,7 @@ class GatewayMiddleware(Middleware):
     def _intent(self, context: MiddlewareContext[mcp_types.CallToolRequestParams],
                 request: Any, downstream: Mapping[str, Any]) -> Intent:
         """The call as an untrusted intent; a hostile ``_meta`` is kept as its ``problem``."""
-        agent = self.identity.agent_of(_headers())
+        agent = self.identity.agent_of(get_access_token())
         session = self._connection(context)
         key = downstream.get(IDEMPOTENCY_META_KEY)
         request_id = getattr(request, "request_id", None)
@@ -311,12 +311,6 @@ def _meta_problem(meta: Mapping[str, Any]) -> str | None:
         if given is not None and not isinstance(given, str):
             return f"_meta.{key}: expected a string"
     return None
-
-
-def _headers() -> dict[str, str]:
-    return get_http_headers(include={"authorization"})
-
-
 
 
 def _can_elicit(fastmcp_context: Any) -> bool:

@@ -8,19 +8,23 @@ Everything but ``tools/call`` and ``tools/list`` (resources, prompts,
 progress notifications, cancellations) is FastMCP's proxy, unchanged.
 
 The upstream is a command (stdio: the gateway starts it, keeps it running,
-and starts it again after it died) or a streamable-HTTP URL.
+and starts it again after it died) or a streamable-HTTP URL, which gets the
+gateway's own headers only: a client's ``Authorization`` (a static token, an
+OAuth access token issued for the gateway) and its other headers stay here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import Client, FastMCP
 from fastmcp.client.transports import ClientTransport, StdioTransport, StreamableHttpTransport
+from fastmcp.client.transports.base import TransportOptions
 from fastmcp.server import create_proxy
 
 from toolguard.errors import GuardMisconfigured
@@ -60,7 +64,7 @@ class Upstream:
     def transport(self, *, keep_alive: bool = True) -> ClientTransport:
         """A new transport to the upstream (stdio: a kept-alive subprocess, restarted if it died)."""
         if self.url is not None:
-            return StreamableHttpTransport(self.url)
+            return OwnHeadersTransport(self.url)
         env = {k: v for k, v in os.environ.items() if k != TOKENS_ENV}  # the clients' secrets stay here
         return StdioTransport(command=self.command[0], args=list(self.command[1:]),
                               env=env, cwd=self.cwd, keep_alive=keep_alive)
@@ -68,6 +72,23 @@ class Upstream:
     @property
     def label(self) -> str:
         return self.url or " ".join(self.command)
+
+
+class OwnHeadersTransport(StreamableHttpTransport):
+    """A streamable-HTTP upstream that never gets the downstream client's headers.
+
+    FastMCP's proxy forwards the client's headers (``Authorization`` included)
+    to an HTTP upstream by default; a token issued for the gateway is not the
+    upstream's to see, so each connection here turns that off.
+    """
+
+    @contextlib.asynccontextmanager
+    async def connect_session(self, *, transport_options: TransportOptions | None = None,
+                              **session_kwargs: Any) -> AsyncGenerator[Any, None]:
+        options = replace(transport_options or TransportOptions(), forward_incoming_headers=False)
+        async with super().connect_session(transport_options=options,
+                                           **session_kwargs) as session:
+            yield session
 
 
 @dataclass(frozen=True)
@@ -108,10 +129,16 @@ def register_tools(guard: ToolGuard, tools: Sequence[UpstreamTool]) -> None:
 
 async def open_gateway(guard: ToolGuard, upstream: Upstream, *,
                        identity: Identity, hide_unlisted: bool = False, elicit: bool = True,
-                       signer: FenceSigner | None = None,
+                       signer: FenceSigner | None = None, resource_url: str | None = None,
                        name: str = "toolguard-gateway") -> FastMCP:
-    """The gateway server for ``upstream``, its tools registered with ``guard`` (see module doc)."""
+    """The gateway server for ``upstream``, its tools registered with ``guard`` (see module doc).
+
+    With credentials in ``identity``, the server checks each HTTP request's
+    bearer token (``resource_url``: the gateway's public URL of ``/mcp``, which
+    OAuth's protected-resource metadata names).
+    """
+    auth = identity.auth_provider(resource_url)
     register_tools(guard, await list_upstream_tools(upstream))
     middleware = GatewayMiddleware(guard, identity, hide_unlisted=hide_unlisted, elicit=elicit,
                                    signer=signer)
-    return create_proxy(upstream.transport(), name=name, middleware=[middleware])
+    return create_proxy(upstream.transport(), name=name, middleware=[middleware], auth=auth)

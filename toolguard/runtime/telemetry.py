@@ -62,6 +62,7 @@ __all__ = [
     "SPAN_VALIDATE",
     "STEPS",
     "available",
+    "door_refused",
     "lease_lost",
     "start_call",
     "start_fenced",
@@ -114,6 +115,7 @@ METRIC_LEASES_LOST = "toolguard.leases.lost"
 METRIC_REPLAYS = "toolguard.replays"
 METRIC_ORDER_WAITS = "toolguard.order.waits"
 METRIC_ORDER_WAIT = "toolguard.order.wait.duration"
+METRIC_DOOR_REFUSALS = "toolguard.gateway.refused_requests"
 #: Every instrument: name -> (kind, unit, description).
 METRICS: Mapping[str, tuple[str, str, str]] = {
     METRIC_DECISIONS: ("counter", "{decision}",
@@ -128,6 +130,9 @@ METRICS: Mapping[str, tuple[str, str, str]] = {
     METRIC_ORDER_WAITS: ("counter", "{wait}",
                          "Calls that waited for an earlier tool of an after: rule"),
     METRIC_ORDER_WAIT: ("histogram", "s", "Time an after: rule kept a call waiting"),
+    METRIC_DOOR_REFUSALS: ("counter", "{request}",
+                           "HTTP requests the gateway refused before MCP, by reason "
+                           "(host, origin, credential)"),
 }
 #: Histogram buckets in seconds: lock hand-offs take milliseconds, a contended wait seconds.
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -200,6 +205,7 @@ class _Instruments:
     replays: Counter
     order_waits: Counter
     order_wait: Histogram
+    door_refusals: Counter
 
     @classmethod
     def of(cls, provider: MeterProvider) -> _Instruments:
@@ -216,7 +222,8 @@ class _Instruments:
                     explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         return cls(made[METRIC_DECISIONS], made[METRIC_LOCK_WAIT], made[METRIC_LOCK_HOLD],
                    made[METRIC_STALE_TOKENS], made[METRIC_LEASES_LOST], made[METRIC_REPLAYS],
-                   made[METRIC_ORDER_WAITS], made[METRIC_ORDER_WAIT])
+                   made[METRIC_ORDER_WAITS], made[METRIC_ORDER_WAIT],
+                   made[METRIC_DOOR_REFUSALS])
 
 
 def _instruments() -> _Instruments | None:
@@ -660,6 +667,18 @@ def lease_lost(reason: str) -> None:
     instruments = _instruments()
     if instruments is not None:
         instruments.leases_lost.add(1, {REASON: reason})
+
+
+# --- the gateway's HTTP door (toolguard.gateway.door) ------------------------------------------
+
+
+def door_refused(reason: str) -> None:
+    """Count one HTTP request the gateway refused before MCP (``host``, ``origin``, ``credential``)."""
+    if _trace is None:
+        return
+    instruments = _instruments()
+    if instruments is not None:
+        instruments.door_refusals.add(1, {REASON: reason})
 
 
 def _sorted_tokens(tokens: Iterable[tuple[str, int]]) -> list[int]:
