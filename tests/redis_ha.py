@@ -96,11 +96,13 @@ class RedisNode:
         return [REDIS_SERVER, *common, "--save", "", "--appendonly", "no",
                 "--repl-diskless-sync-delay", "0", *self.args]
 
-    def start(self, timeout_s: float = 10.0) -> RedisNode:
+    def start(self, timeout_s: float = 10.0, *, loaded: bool = True) -> RedisNode:
+        """Start the server; wait until it answers PING (with ``loaded=False``, also while it
+        still reads its data back and answers ``-LOADING``)."""
         self.process = subprocess.Popen(self._command(), stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
-        while not self._answers_ping():
+        while not self._answers_ping(loaded):
             if self.process.poll() is not None:
                 msg = f"{self.name} (port {self.port}) exited: {self.log_tail()}"
                 raise RuntimeError(msg)
@@ -110,11 +112,12 @@ class RedisNode:
             time.sleep(0.01)
         return self
 
-    def _answers_ping(self) -> bool:
+    def _answers_ping(self, loaded: bool = True) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
                 sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
+                reply = sock.recv(16)
+                return reply.startswith(b"+PONG") or (not loaded and reply.startswith(b"-LOADING"))
         except OSError:
             return False
 
