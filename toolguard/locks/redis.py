@@ -24,6 +24,13 @@ the list held was a hand-off that is over; a token found there afterwards was
 granted after that call. An acquire by the holder itself (a hand-off that raced
 with the end of a wait, a retry after a lost reply) grants the lock again from
 now, with a fresh token.
+
+What a Redis deployment answers while it fails over, demotes a primary, restarts
+or moves a slot (``IN_TRANSITION``: ``UNBLOCKED`` to a blocked waiter, ``READONLY``,
+``MASTERDOWN``, ``NOREPLICAS``, ``LOADING``, ``CLUSTERDOWN``, ``TRYAGAIN``, ``MOVED``,
+``ASK``) and a lost connection are ``BackendUnavailable``, here and in the Cluster,
+Sentinel and quota backends (``typed_error``): the lock manager asks again until the
+caller's deadline.
 """
 
 from __future__ import annotations
