@@ -263,8 +263,8 @@ def test_a_restarted_server_reading_its_data_answers_loading_as_backend_unavaila
 def test_a_cluster_node_without_the_slot_answers_clusterdown_as_backend_unavailable(
         mode: str, root: Path) -> None:
     """A cluster node that serves no slot (a cluster still electing, or not yet formed)."""
-    with node(root, "lonely", "--cluster-enabled", "yes", "--cluster-config-file",
-              str(root / "lonely-nodes.conf")) as server:
+    with node(root, "lonely", "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+              "--cluster-config-file", str(root / "lonely-nodes.conf")) as server:
         url = f"redis://127.0.0.1:{server.port}/0"
         assert refused(mode, url, "try_acquire", "k", WAITER, 60_000) == "CLUSTERDOWN"
         assert refused(mode, url, "wait", "k", WAITER, 0.1) == "CLUSTERDOWN"
