@@ -25,15 +25,16 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aredis
+from redis._parsers.base import BaseParser
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_ha import RedisNode, require_redis_server
 from servers import free_port
 
-from toolguard.errors import BackendUnavailable
+from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks import LockManager
-from toolguard.locks.redis import AsyncRedisBackend, RedisBackend, version_options
+from toolguard.locks.redis import AsyncRedisBackend, RedisBackend, typed_error, version_options
 
 MODES = ["sync", "asyncio"]
 HOLDER = "holder0000000000:60000"
@@ -270,3 +271,37 @@ def test_a_cluster_node_without_the_slot_answers_clusterdown_as_backend_unavaila
         assert refused(mode, url, "wait", "k", WAITER, 0.1) == "CLUSTERDOWN"
         if mode == "sync":
             acquire_refused(url)
+
+
+# --- the rule itself, on the errors redis-py's own parser makes of each answer --------------
+
+IN_TRANSITION_ANSWERS = [
+    "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)",
+    "LOADING Redis is loading the dataset in memory",
+    "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+    "READONLY You can't write against a read only replica.",
+    "NOREPLICAS Not enough good replicas to write.",
+    "CLUSTERDOWN The cluster is down",
+    "TRYAGAIN Multiple keys request during rehashing of slot",
+    "MOVED 3999 127.0.0.1:6381",
+    "ASK 3999 127.0.0.1:6381",
+    "NOSCRIPT No matching script. Please use EVAL.",
+]
+
+
+@pytest.mark.parametrize("text", IN_TRANSITION_ANSWERS)
+@pytest.mark.parametrize("coded", [True, False], ids=["status_code", "text_only"])
+def test_every_answer_of_a_deployment_in_transition_is_backend_unavailable(text: str,
+                                                                          coded: bool) -> None:
+    error = BaseParser.parse_error(text)
+    if not coded:  # redis-py before 7 keeps no status_code
+        error.status_code = None
+    assert isinstance(typed_error(error, "redis"), BackendUnavailable)
+
+
+def test_other_answers_stay_what_they_are_and_setup_mistakes_are_configuration_errors() -> None:
+    for text in ("ERR Error running script (call to f_0123): @user_script:1: oops",
+                 "WRONGTYPE Operation against a key holding the wrong kind of value"):
+        assert typed_error(BaseParser.parse_error(text), "redis") is None
+    wrong = BaseParser.parse_error("WRONGPASS invalid username-password pair or user is disabled.")
+    assert isinstance(typed_error(wrong, "redis"), ConfigurationError)

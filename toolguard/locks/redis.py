@@ -194,14 +194,17 @@ DEFAULT_COUNTER_TTL_MS = 7 * 24 * 3600 * 1000
 #: Error codes a Redis deployment answers with while it fails over, demotes a primary (a
 #: planned ``CLUSTER FAILOVER``, Sentinel reconfiguring it), restarts or moves a slot. The
 #: step did not run; the primary that takes over (or this one, back) may run it.
+#: ``NOSCRIPT`` reaches the caller only when it comes again right after the script was
+#: loaded: the load went to the primaries the client knew, and the slot has moved on.
 IN_TRANSITION = frozenset({"UNBLOCKED", "LOADING", "MASTERDOWN", "READONLY", "NOREPLICAS",
-                           "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK"})
+                           "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "NOSCRIPT"})
 
 #: The same answers where redis-py gives the code a class of its own (whose text lacks the
 #: code), a lost or timed-out connection (``LOADING`` is one to redis-py), and a Cluster
 #: client's own "no node reachable / slot not covered / too many redirections".
 _IN_TRANSITION_TYPES = (RedisConnectionError, RedisTimeoutError, OSError, ReadOnlyError,
-                        ClusterError, TryAgainError, AskError, RedisClusterException)
+                        ClusterError, TryAgainError, AskError, NoScriptError,
+                        RedisClusterException)
 
 #: Everything a redis-py call may raise for a reason outside the caller's code.
 CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
