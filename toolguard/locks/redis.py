@@ -28,9 +28,9 @@ now, with a fresh token.
 What a Redis deployment answers while it fails over, demotes a primary, restarts
 or moves a slot (``IN_TRANSITION``: ``UNBLOCKED`` to a blocked waiter, ``READONLY``,
 ``MASTERDOWN``, ``NOREPLICAS``, ``LOADING``, ``CLUSTERDOWN``, ``TRYAGAIN``, ``MOVED``,
-``ASK``) and a lost connection are ``BackendUnavailable``, here and in the Cluster,
-Sentinel and quota backends (``typed_error``): the lock manager asks again until the
-caller's deadline.
+``ASK``, ``NOSCRIPT`` on a new primary) and a lost connection are
+``BackendUnavailable``, here and in the Cluster, Sentinel and quota backends
+(``typed_error``): the lock manager asks again until the caller's deadline.
 """
 
 from __future__ import annotations
