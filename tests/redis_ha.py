@@ -110,7 +110,17 @@ class RedisNode:
                 msg = f"{self.name} (port {self.port}) did not answer in {timeout_s}s"
                 raise RuntimeError(msg)
             time.sleep(0.01)
+        if not self._answered_by_us():  # another test's server took the port meanwhile
+            self.process.kill()
+            self.process.wait(timeout=10)
+            msg = f"{self.name}: port {self.port} is another process's"
+            raise RuntimeError(msg)
         return self
+
+    def _answered_by_us(self) -> bool:
+        assert self.process is not None
+        with self.client() as client:
+            return int(client.info("server")["process_id"]) == self.process.pid
 
     def _answers_ping(self, loaded: bool = True) -> bool:
         try:
@@ -522,12 +532,28 @@ def redis_cluster_url(shared_cluster: RedisClusterGroup) -> str:
     return shared_cluster.url
 
 
+def started_sentinel_group(attempts: int = 3) -> SentinelGroup:
+    """A started ``SentinelGroup``; on a port another test took meanwhile, new ports."""
+    for attempt in range(attempts):
+        group = SentinelGroup()
+        try:
+            return group.start()
+        except RuntimeError:
+            group.stop()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
 def redis_sentinel_url() -> Iterator[str]:
     """A private Sentinel group shared by the session's non-destructive tests."""
     require_redis_server()
-    with SentinelGroup() as group:
+    group = started_sentinel_group()
+    try:
         yield group.url
+    finally:
+        group.stop()
 
 
 @pytest.fixture
@@ -542,5 +568,8 @@ def redis_cluster() -> Iterator[RedisClusterGroup]:
 def sentinel_group() -> Iterator[SentinelGroup]:
     """A private Sentinel group per test, for scenarios that fail the primary over."""
     require_redis_server()
-    with SentinelGroup() as group:
+    group = started_sentinel_group()
+    try:
         yield group
+    finally:
+        group.stop()
