@@ -96,11 +96,13 @@ class RedisNode:
         return [REDIS_SERVER, *common, "--save", "", "--appendonly", "no",
                 "--repl-diskless-sync-delay", "0", *self.args]
 
-    def start(self, timeout_s: float = 10.0) -> RedisNode:
+    def start(self, timeout_s: float = 10.0, *, loaded: bool = True) -> RedisNode:
+        """Start the server; wait until it answers PING (with ``loaded=False``, also while it
+        still reads its data back and answers ``-LOADING``)."""
         self.process = subprocess.Popen(self._command(), stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
-        while not self._answers_ping():
+        while not self._answers_ping(loaded):
             if self.process.poll() is not None:
                 msg = f"{self.name} (port {self.port}) exited: {self.log_tail()}"
                 raise RuntimeError(msg)
@@ -108,13 +110,24 @@ class RedisNode:
                 msg = f"{self.name} (port {self.port}) did not answer in {timeout_s}s"
                 raise RuntimeError(msg)
             time.sleep(0.01)
+        if not self._answered_by_us():  # another test's server took the port meanwhile
+            self.process.kill()
+            self.process.wait(timeout=10)
+            msg = f"{self.name}: port {self.port} is another process's"
+            raise RuntimeError(msg)
         return self
 
-    def _answers_ping(self) -> bool:
+    def _answered_by_us(self) -> bool:
+        assert self.process is not None
+        with self.client() as client:
+            return int(client.info("server")["process_id"]) == self.process.pid
+
+    def _answers_ping(self, loaded: bool = True) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
                 sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
+                reply = sock.recv(16)
+                return reply.startswith(b"+PONG") or (not loaded and reply.startswith(b"-LOADING"))
         except OSError:
             return False
 
@@ -519,12 +532,28 @@ def redis_cluster_url(shared_cluster: RedisClusterGroup) -> str:
     return shared_cluster.url
 
 
+def started_sentinel_group(attempts: int = 3) -> SentinelGroup:
+    """A started ``SentinelGroup``; on a port another test took meanwhile, new ports."""
+    for attempt in range(attempts):
+        group = SentinelGroup()
+        try:
+            return group.start()
+        except RuntimeError:
+            group.stop()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
 def redis_sentinel_url() -> Iterator[str]:
     """A private Sentinel group shared by the session's non-destructive tests."""
     require_redis_server()
-    with SentinelGroup() as group:
+    group = started_sentinel_group()
+    try:
         yield group.url
+    finally:
+        group.stop()
 
 
 @pytest.fixture
@@ -539,5 +568,8 @@ def redis_cluster() -> Iterator[RedisClusterGroup]:
 def sentinel_group() -> Iterator[SentinelGroup]:
     """A private Sentinel group per test, for scenarios that fail the primary over."""
     require_redis_server()
-    with SentinelGroup() as group:
+    group = started_sentinel_group()
+    try:
         yield group
+    finally:
+        group.stop()

@@ -24,19 +24,35 @@ the list held was a hand-off that is over; a token found there afterwards was
 granted after that call. An acquire by the holder itself (a hand-off that raced
 with the end of a wait, a retry after a lost reply) grants the lock again from
 now, with a fresh token.
+
+What a Redis deployment answers while it fails over, demotes a primary, restarts
+or moves a slot (``IN_TRANSITION``: ``UNBLOCKED`` to a blocked waiter, ``READONLY``,
+``MASTERDOWN``, ``NOREPLICAS``, ``LOADING``, ``CLUSTERDOWN``, ``TRYAGAIN``, ``MOVED``,
+``ASK``, ``NOSCRIPT`` on a new primary) and a lost connection are
+``BackendUnavailable``, here and in the Cluster, Sentinel and quota backends
+(``typed_error``): the lock manager asks again until the caller's deadline.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 import redis.asyncio as aredis
 from redis.commands.core import Script
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    NoScriptError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:
@@ -46,7 +62,7 @@ except ImportError:  # an older redis-py: the version goes in lib_version=
 
 from toolguard.errors import ConfigurationError, ToolGuardError
 from toolguard.locks.base import MIN_TTL_MS, Attempt, BackendInfo, check_ms
-from toolguard.runtime.connection_errors import failure, refuse_misconfigured
+from toolguard.runtime.connection_errors import definitive, failure, misconfigured
 
 __all__ = ["AsyncRedisBackend", "RedisBackend", "redis_keys"]
 
@@ -173,6 +189,70 @@ DEFAULT_PRESENCE_MS = 2_000
 DEFAULT_COUNTER_TTL_MS = 7 * 24 * 3600 * 1000
 
 
+# --- what a client error means ------------------------------------------------------------
+
+#: Error codes a Redis deployment answers with while it fails over, demotes a primary (a
+#: planned ``CLUSTER FAILOVER``, Sentinel reconfiguring it), restarts or moves a slot. The
+#: step did not run; the primary that takes over (or this one, back) may run it.
+#: ``NOSCRIPT`` reaches the caller only when it comes again right after the script was
+#: loaded: the load went to the primaries the client knew, and the slot has moved on.
+IN_TRANSITION = frozenset({"UNBLOCKED", "LOADING", "MASTERDOWN", "READONLY", "NOREPLICAS",
+                           "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "NOSCRIPT"})
+
+#: The same answers where redis-py gives the code a class of its own (whose text lacks the
+#: code), a lost or timed-out connection (``LOADING`` is one to redis-py), and a Cluster
+#: client's own "no node reachable / slot not covered / too many redirections".
+_IN_TRANSITION_TYPES = (RedisConnectionError, RedisTimeoutError, OSError, ReadOnlyError,
+                        ClusterError, TryAgainError, AskError, NoScriptError,
+                        RedisClusterException)
+
+#: Everything a redis-py call may raise for a reason outside the caller's code.
+CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
+
+
+def error_code(error: BaseException) -> str | None:
+    """The Redis error code of a server's answer (``READONLY``, ...), if ``error`` is one."""
+    if not isinstance(error, RedisError):
+        return None
+    code = getattr(error, "status_code", None)
+    if code:
+        return str(code)
+    first = str(error).split(" ", 1)[0]
+    return first if first.isupper() else None
+
+
+def in_transition(error: BaseException) -> bool:
+    """True if ``error`` is a lost connection or an answer of a deployment in transition."""
+    return isinstance(error, _IN_TRANSITION_TYPES) or error_code(error) in IN_TRANSITION
+
+
+def typed_error(error: BaseException, backend: str) -> ToolGuardError | None:
+    """toolguard's error for what a Redis client raised, or None (re-raise it as it is).
+
+    A lost connection or an answer of a deployment in transition is ``BackendUnavailable``,
+    which the lock manager retries until the caller's deadline; a setup mistake (a wrong
+    password, a database index past ``databases``) is ``ConfigurationError``. Any other
+    answer (a script error, ``WRONGTYPE``) is a bug to see as it is.
+    """
+    if in_transition(error):
+        return failure(backend, error)
+    why = definitive(error)
+    if why is not None:
+        return misconfigured(backend, "", error, why)
+    return None
+
+
+def raise_typed(error: BaseException, backend: str) -> NoReturn:
+    """Raise ``typed_error(error, backend)`` from ``error``, or ``error`` itself if None.
+
+    Called in an ``except CLIENT_ERRORS`` clause, so the path that succeeds pays nothing.
+    """
+    typed = typed_error(error, backend)
+    if typed is None:
+        raise error
+    raise typed from error
+
+
 def _escape(key: str) -> str:
     """Keep braces out of the hash tag so every key of one lock lands in one slot."""
     if "%" in key or "{" in key or "}" in key:
@@ -200,6 +280,8 @@ class _RedisShared:
     """
 
     info = INFO
+    #: What error messages call the server.
+    failure_label = "redis"
 
     def __init__(self, *, prefix: str = DEFAULT_PREFIX, presence_ms: int = DEFAULT_PRESENCE_MS,
                  counter_ttl_ms: int = DEFAULT_COUNTER_TTL_MS) -> None:
@@ -243,13 +325,6 @@ class _RedisShared:
         token = int(reply)
         return Attempt(token=token) if token > 0 else Attempt(token=None, retry_ms=-token)
 
-    @staticmethod
-    def _unavailable(error: RedisError | OSError) -> ToolGuardError:
-        """``BackendUnavailable``; ``ConfigurationError`` for a bad host name or credentials."""
-        return failure("redis", error)
-
-
-_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 
 #: A call on a server that stopped answering (a stalled link, a frozen server) fails
 #: after this long instead of blocking for as long as the stall lasts: release never
@@ -339,7 +414,11 @@ class RedisBackend(_RedisShared):
         try:
             reply = conn.retry.call_with_retry(lambda: self._send(conn, command),
                                                lambda _error: conn.disconnect())
-        except ResponseError:  # the server's answer, read whole: the connection is clean
+        except ResponseError as error:  # the server's answer, read whole: the connection is clean
+            if in_transition(error):
+                # but a demoted server closes it after UNBLOCKED, and a new connection may
+                # reach the new primary (an address that follows it, a Sentinel's answer)
+                conn.disconnect()
             idle.append(conn)
             raise
         except BaseException:
@@ -365,32 +444,23 @@ class RedisBackend(_RedisShared):
         command = self._acquire_command(self._acquire.sha, key, owner, ttl_ms)
         try:
             return self._attempt(self._evalsha(self._acquire, command))
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis", error)
-            raise
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
 
     def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
         try:
             reply = self._command(("BLPOP", self._signal_key(key, owner),
                                    self._block_s(timeout_s)))
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis", error)
-            raise
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
         return int(reply[1]) if reply else None
 
     def release(self, key: str, owner: str) -> bool:
         command = self._release_command(self._release.sha, key, owner)
         try:
             return bool(self._evalsha(self._release, command))
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis", error)
-            raise
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
 
     def renew(self, held: Sequence[tuple[str, str, int]]) -> list[bool]:
         """One pipelined round trip of single-key scripts (Cluster safe).
@@ -403,14 +473,11 @@ class RedisBackend(_RedisShared):
             if any(isinstance(result, NoScriptError) for result in results):
                 self.client.script_load(RENEW)
                 results = self._renew_once(held)
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis", error)
-            raise
-        for result in results:
-            if isinstance(result, Exception):
-                raise result
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
         return [bool(result) for result in results]
 
     def _renew_once(self, held: Sequence[tuple[str, str, int]]) -> list[Any]:
@@ -421,12 +488,18 @@ class RedisBackend(_RedisShared):
             return pipe.execute(raise_on_error=False)
 
     def raise_floor(self, key: str, token: int) -> None:
-        self._raise_floor(keys=[self._fence_key(key)], args=[token, self.counter_ttl_ms])
+        try:
+            self._raise_floor(keys=[self._fence_key(key)], args=[token, self.counter_ttl_ms])
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
 
     def current_token(self, key: str) -> int:
         """The last token granted for ``key`` (0 if the counter is gone)."""
-        # redis-py types a sync client's replies as "Awaitable[Any] | Any"
-        return int(self.client.get(self._fence_key(key)) or 0)  # type: ignore[arg-type]
+        try:
+            # redis-py types a sync client's replies as "Awaitable[Any] | Any"
+            return int(self.client.get(self._fence_key(key)) or 0)  # type: ignore[arg-type]
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
@@ -460,35 +533,29 @@ class AsyncRedisBackend(_RedisShared):
         command = self._acquire_command(self._acquire.sha, key, owner, ttl_ms)
         try:
             return self._attempt(await self._evalsha(self._acquire, command))
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis", error)
-            raise
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
 
     async def wait(self, key: str, owner: str, timeout_s: float) -> int | None:
         try:
             reply = await self.client.execute_command("BLPOP", self._signal_key(key, owner),
                                                       self._block_s(timeout_s))
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis", error)
-            raise
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
         return int(reply[1]) if reply else None
 
     async def release(self, key: str, owner: str) -> bool:
         command = self._release_command(self._release.sha, key, owner)
         try:
             return bool(await self._evalsha(self._release, command))
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis", error)
-            raise
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
 
     async def raise_floor(self, key: str, token: int) -> None:
-        await self._raise_floor(keys=[self._fence_key(key)], args=[token, self.counter_ttl_ms])
+        try:
+            await self._raise_floor(keys=[self._fence_key(key)], args=[token, self.counter_ttl_ms])
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -29,13 +29,11 @@ are the primary's). ``rediss+cluster`` / ``rediss+sentinel`` connect with TLS.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
@@ -44,14 +42,7 @@ import redis.asyncio.cluster as acluster
 import redis.asyncio.sentinel as asentinel
 import redis.cluster
 import redis.sentinel
-from redis.exceptions import (
-    AskError,
-    ClusterError,
-    ReadOnlyError,
-    RedisClusterException,
-    RedisError,
-    TryAgainError,
-)
+from redis.exceptions import RedisClusterException, RedisError
 
 from toolguard.errors import BackendUnavailable, ConfigurationError
 from toolguard.locks import redis as single
@@ -91,16 +82,8 @@ SENTINEL_INFO = BackendInfo(
          "replication): the store's fence refuses the stale holder",
 )
 
-#: Replies a cluster gives while it moves slots or elects a primary, and redis-py's own
-#: "no node reachable / slot not covered": the step did not run (or its outcome is
-#: unknown), so the caller may try again, as after a dropped connection.
-_CLUSTER_TRANSIENT = (ClusterError, TryAgainError, AskError, RedisClusterException, ReadOnlyError)
-
 _FLOAT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
 _SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
-
-T = TypeVar("T")
-P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -196,32 +179,6 @@ def _block_cap(socket_timeout: float | None) -> float | None:
     return max(0.001, float(socket_timeout) / 2) if socket_timeout else None
 
 
-@contextlib.contextmanager
-def _cluster_errors() -> Iterator[None]:
-    try:
-        yield
-    except _CLUSTER_TRANSIENT as error:
-        raise BackendUnavailable(f"redis cluster: {type(error).__name__}: {error}") from error
-
-
-def _translated(method: Callable[P, T]) -> Callable[P, T]:
-    @functools.wraps(method)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        with _cluster_errors():
-            return method(*args, **kwargs)
-
-    return wrapper
-
-
-def _atranslated(method: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
-    @functools.wraps(method)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        with _cluster_errors():
-            return await method(*args, **kwargs)
-
-    return wrapper
-
-
 # --- Redis Cluster --------------------------------------------------------------------------
 
 
@@ -250,11 +207,14 @@ class RedisClusterBackend(single.RedisBackend):
     """The Redis backend on a Redis Cluster: the same scripts, routed by slot.
 
     Cluster replies that mean "not now" (``CLUSTERDOWN`` during an election,
-    ``TRYAGAIN`` while a slot moves, redirections past redis-py's limit) become
-    ``BackendUnavailable``, like a dropped connection.
+    ``TRYAGAIN`` while a slot moves, redirections past redis-py's limit, ``UNBLOCKED``
+    from a primary demoted under a waiter) become ``BackendUnavailable``, like a dropped
+    connection (``single.typed_error``): the lock manager asks again, and redis-py follows
+    the ``MOVED`` of the demoted primary to the new one.
     """
 
     info = CLUSTER_INFO
+    failure_label = "redis cluster"
 
     def __init__(self, client: redis.cluster.RedisCluster | str, **options: Any) -> None:
         # Not RedisBackend.__init__: a cluster client has no single connection pool to read
@@ -275,18 +235,12 @@ class RedisClusterBackend(single.RedisBackend):
         self._idle: list[Any] = []
         self._pid = os.getpid()
 
-    try_acquire = _translated(single.RedisBackend.try_acquire)
-    wait = _translated(single.RedisBackend.wait)
-    release = _translated(single.RedisBackend.release)
-    renew = _translated(single.RedisBackend.renew)
-    raise_floor = _translated(single.RedisBackend.raise_floor)
-    current_token = _translated(single.RedisBackend.current_token)
-
 
 class AsyncRedisClusterBackend(single.AsyncRedisBackend):
     """The asyncio twin of ``RedisClusterBackend``."""
 
     info = CLUSTER_INFO
+    failure_label = "redis cluster"
 
     def __init__(self, client: acluster.RedisCluster | str, **options: Any) -> None:
         single._RedisShared.__init__(self, **options)
@@ -298,11 +252,6 @@ class AsyncRedisClusterBackend(single.AsyncRedisBackend):
         self._acquire = scripts.register_script(single.ACQUIRE)
         self._release = scripts.register_script(single.RELEASE)
         self._raise_floor = scripts.register_script(single.RAISE_FLOOR)
-
-    try_acquire = _atranslated(single.AsyncRedisBackend.try_acquire)
-    wait = _atranslated(single.AsyncRedisBackend.wait)
-    release = _atranslated(single.AsyncRedisBackend.release)
-    raise_floor = _atranslated(single.AsyncRedisBackend.raise_floor)
 
 
 # --- Sentinel -------------------------------------------------------------------------------
@@ -350,35 +299,26 @@ class RedisSentinelBackend(single.RedisBackend):
 
     Each new connection asks the sentinels for the primary; a connection to a
     primary that was demoted fails (``READONLY`` becomes a connection error in
-    redis-py), so the next call reaches the new one.
+    redis-py; Sentinel drops the demoted server's clients), so the next call reaches
+    the new one. Every answer of a failover is ``BackendUnavailable`` meanwhile.
     """
 
     info = SENTINEL_INFO
+    failure_label = "redis sentinel"
 
     def __init__(self, client: redis.Redis | str, **options: Any) -> None:
         super().__init__(sentinel_client(client) if isinstance(client, str) else client, **options)
-
-    try_acquire = _translated(single.RedisBackend.try_acquire)
-    wait = _translated(single.RedisBackend.wait)
-    release = _translated(single.RedisBackend.release)
-    renew = _translated(single.RedisBackend.renew)
-    raise_floor = _translated(single.RedisBackend.raise_floor)
-    current_token = _translated(single.RedisBackend.current_token)
 
 
 class AsyncRedisSentinelBackend(single.AsyncRedisBackend):
     """The asyncio twin of ``RedisSentinelBackend``."""
 
     info = SENTINEL_INFO
+    failure_label = "redis sentinel"
 
     def __init__(self, client: aredis.Redis | str, **options: Any) -> None:
         super().__init__(async_sentinel_client(client) if isinstance(client, str) else client,
                          **options)
-
-    try_acquire = _atranslated(single.AsyncRedisBackend.try_acquire)
-    wait = _atranslated(single.AsyncRedisBackend.wait)
-    release = _atranslated(single.AsyncRedisBackend.release)
-    raise_floor = _atranslated(single.AsyncRedisBackend.raise_floor)
 
 
 def open_sync(url: str, **options: Any) -> single.RedisBackend:

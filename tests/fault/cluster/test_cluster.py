@@ -6,6 +6,7 @@ Every test starts its own cluster (3 primaries + 3 replicas on free loopback por
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter, defaultdict
@@ -177,6 +178,32 @@ def _refuses(node: RedisNode, key: str, error: type[Exception]) -> bool:
     return False
 
 
+def as_single_server(node: RedisNode, key: str) -> set[str]:
+    """What the single-server backends (sync and asyncio) pointed at ``node`` get for
+    ``key``: ``BackendUnavailable``, from the redis-py errors named here."""
+    url = f"redis://127.0.0.1:{node.port}/0"
+    causes: list[BaseException | None] = []
+    backend = RedisBackend(url)
+    try:
+        with pytest.raises(BackendUnavailable) as caught:
+            backend.try_acquire(key, "contender:3000", 3_000)
+        causes.append(caught.value.__cause__)
+    finally:
+        backend.close()
+
+    async def attempt() -> None:
+        abackend = AsyncRedisBackend(url)
+        try:
+            with pytest.raises(BackendUnavailable) as caught:
+                await abackend.try_acquire(key, "contender:3000", 3_000)
+            causes.append(caught.value.__cause__)
+        finally:
+            await abackend.aclose()
+
+    asyncio.run(attempt())
+    return {type(cause).__name__ for cause in causes}
+
+
 @pytest.mark.timeout(60)
 def test_ask_and_moved_are_followed_while_a_slot_moves(redis_cluster: RedisClusterGroup,
                                                        unique: str) -> None:
@@ -194,6 +221,7 @@ def test_ask_and_moved_are_followed_while_a_slot_moves(redis_cluster: RedisClust
         assert redis_cluster.move_keys(slot, source, target) >= 2  # the lock and its counter
         # ASK: the source no longer has the keys; the client still routes the slot to it.
         assert _refuses(source, lock_key(key), redis.exceptions.AskError)
+        assert as_single_server(source, key) == {"AskError"}  # nothing follows it there
         assert routed(slot).port == source.port
         assert backend.renew([(key, lease.owner, 3_000)]) == [True]  # asked the target
         # TRYAGAIN: a script whose keys are only partly there cannot run anywhere yet.
@@ -202,6 +230,7 @@ def test_ask_and_moved_are_followed_while_a_slot_moves(redis_cluster: RedisClust
         redis_cluster.end_migration(slot, target)
         # MOVED: the source now redirects for good; the client follows and learns it.
         assert _refuses(source, lock_key(key), redis.exceptions.MovedError)
+        assert as_single_server(source, key) == {"MovedError"}
         assert routed(slot).port == source.port
         assert not lease.lost
         lease.release()

@@ -30,15 +30,12 @@ from typing import Any
 
 import redis
 import redis.asyncio as aredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError
 
 from toolguard.controls.quotas.base import Admitted, Entry, Refused, Verdict, check_charges
 from toolguard.controls.quotas.charges import Charge
-from toolguard.errors import BackendUnavailable, ConfigurationError, ToolGuardError
-from toolguard.locks.redis import client_options
-from toolguard.runtime.connection_errors import failure, refuse_misconfigured
+from toolguard.errors import BackendUnavailable, ConfigurationError
+from toolguard.locks.redis import CLIENT_ERRORS, client_options, raise_typed
 
 __all__ = ["AsyncRedisQuotas", "RedisQuotas"]
 
@@ -184,7 +181,6 @@ end
 return string.format('%.17g', total)
 """
 
-_TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 _PREFIX = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -194,6 +190,7 @@ def _number(value: float) -> bytes:
 
 class _Shared:
     name = "redis"
+    failure_label = "redis (quotas)"
 
     def __init__(self, prefix: str = "tgq") -> None:
         if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
@@ -237,11 +234,6 @@ class _Shared:
             raise BackendUnavailable(msg)
         return Refused(head - 1, None if retry < 0 else retry / 1000)
 
-    @staticmethod
-    def _unavailable(error: RedisError | OSError) -> ToolGuardError:
-        """``BackendUnavailable``; ``ConfigurationError`` for a bad host name or credentials."""
-        return failure("redis (quotas)", error)
-
 
 class RedisQuotas(_Shared):
     """Sync Redis quota backend; scripts registered once and run by SHA."""
@@ -265,11 +257,8 @@ class RedisQuotas(_Shared):
             except NoScriptError:
                 self.client.script_load(script.script)
                 return self.client.execute_command(*command)  # type: ignore[no-untyped-call]
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis (quotas)", error)
-            raise
+        except CLIENT_ERRORS as error:  # a lost connection, a server in a failover, ...
+            raise_typed(error, self.failure_label)
 
     def admit(self, charges: Sequence[Charge]) -> Verdict:
         """Count every charge or none (one script)."""
@@ -319,11 +308,8 @@ class AsyncRedisQuotas(_Shared):
             except NoScriptError:
                 await self.client.script_load(script.script)
                 return await self.client.execute_command(*command)  # type: ignore[no-untyped-call]
-        except _TRANSIENT as error:
-            raise self._unavailable(error) from error
-        except ResponseError as error:  # e.g. SELECT past `databases`, on connecting
-            refuse_misconfigured("redis (quotas)", error)
-            raise
+        except CLIENT_ERRORS as error:
+            raise_typed(error, self.failure_label)
 
     async def admit(self, charges: Sequence[Charge]) -> Verdict:
         keys, args = self._admit_args(charges)
