@@ -215,3 +215,40 @@ def assert_audit_show(service: ServiceProcess, forged: AuditEntry, unsigned: Aud
     assert f"? (unproven: {FORGED})" not in listing  # the forged row has a proven agent
     assert f"{AGENT} (unproven: {FORGED}) →" in listing
     assert f"? (unproven: {AGENT}) →" in listing
+
+
+def test_a_signed_request_cancelled_before_its_transaction_names_only_the_claims_agent(
+        tmp_path, redis_url, unique):
+    """The gate's own rows (a cancellation, a refusal before the claims are read) in a real
+    store: the claim's agent in the column, the header's marked unproven."""
+    from toolguard.errors import ToolGuardError
+    from toolguard.fences import ClaimVerifier, Keyring
+    from toolguard.fences.gate import FenceGate
+    from toolguard.store import open_async_store, open_store
+
+    url = f"sqlite:///{tmp_path}/service.db"
+    key = f"lead:{unique}-C"
+    with signed_fences(redis_url, key) as (genuine, _):
+        forged = replace(genuine, agent=FORGED)
+
+        async def run() -> None:
+            store = open_async_store(url, install=True)
+            try:
+                gate = FenceGate(store, claims=ClaimVerifier(audience="crm",
+                                                             keys=Keyring([OLD.public()])))
+                await gate.cancelled(asyncio.CancelledError(), tool="POST /x", fences=forged)
+                too_large = ToolGuardError("the request body is larger than 1 bytes",
+                                           reason="request_too_large")
+                await gate.refuse(too_large, tool="POST /x", fences=forged)
+            finally:
+                await store.close()
+
+        asyncio.run(run())
+        with open_store(url) as store:
+            rows = audit(store)
+        assert [(r.decision, r.reason) for r in rows] == [("unknown", "cancelled"),
+                                                          ("rejected", "request_too_large")]
+        for row in rows:
+            assert (row.agent, row.intent_id, row.idempotency_key, row.keys) == (
+                AGENT, "c", scoped_key("c#1", audience="crm", agent=AGENT), (key,))
+            assert row.args == {"unproven": {"agent": FORGED}}
