@@ -36,6 +36,10 @@ each with its reason, audited once, nothing touched):
 ``claim_mismatch`` (403) its token, agent, idempotency key or intent id is not the
 request's (``field`` names which), or a claim for a key the request does not fence.
 
+A refusal carries the claims that held in themselves (``ClaimRefused.proven``: signed,
+for this service, in time), so that its audit row names what they signed and marks the
+request's other values unproven (``toolguard.fences.proof``).
+
 Sizes: the whole field is at most ``MAX_FIELD_BYTES`` (8,192) bytes like every
 fence field, each claim at most ``MAX_CLAIM_BYTES``; a lease whose claims do not
 fit is refused by the client before anything is sent.

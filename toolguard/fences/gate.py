@@ -19,6 +19,9 @@ outcome into its protocol's response, and nothing here knows HTTP or MCP:
 Every outcome leaves exactly one audit row in the service's store: the store
 writes it for what happens inside ``fenced()``, ``refuse`` for what is decided
 before, ``cancelled`` for a request cancelled before the store could write one.
+In signed mode the gate's own rows name only what the request's claims signed, and
+keep what else it said as unproven (``toolguard.fences.proof``); a row the store writes
+follows verification, which matched every field to the claims.
 
 Cancellation: ``run`` serves the request in a task of its own
 (``toolguard.runtime.cancellation``), so however the server cancels (asyncio once, anyio
