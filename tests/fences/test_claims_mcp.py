@@ -124,7 +124,10 @@ def test_guarded_mcp_tools_sign_and_a_refusal_reaches_the_model(signed_mcp, stor
     assert refused.status == "error" and "claim_unknown_key" in str(refused.content)
     assert leads(store)[lead] == (9, 1)
     (row,) = store.query_audit(decision="rejected", limit=None)
-    assert (row.reason, row.agent, row.intent_id) == ("claim_unknown_key", "intent_scorer", "g-2")
+    # a key the service does not hold proves nothing: who the call said it was is kept unproven
+    assert (row.reason, row.agent, row.intent_id) == ("claim_unknown_key", None, None)
+    said = row.args["unproven"]
+    assert (said["agent"], said["intent_id"]) == ("intent_scorer", "g-2")
 
 
 def test_a_call_through_fenced_session_whose_lease_is_lost_is_not_sent(signed_mcp, store,

@@ -36,6 +36,10 @@ each with its reason, audited once, nothing touched):
 ``claim_mismatch`` (403) its token, agent, idempotency key or intent id is not the
 request's (``field`` names which), or a claim for a key the request does not fence.
 
+A refusal carries the claims that held in themselves (``ClaimRefused.proven``: signed,
+for this service, in time), so that its audit row names what they signed and marks the
+request's other values unproven (``toolguard.fences.proof``).
+
 Sizes: the whole field is at most ``MAX_FIELD_BYTES`` (8,192) bytes like every
 fence field, each claim at most ``MAX_CLAIM_BYTES``; a lease whose claims do not
 fit is refused by the client before anything is sent.
@@ -128,6 +132,9 @@ class ClaimRefused(ToolGuardError):
         self.lock_key = lock_key
         self.key_id = key_id
         self.field = field
+        #: The request's claims that held in themselves (``ClaimVerifier.proven``): what the
+        #: refusal's audit row may name.
+        self.proven: tuple[Claim, ...] = ()
 
     def extras(self) -> dict[str, str]:
         """What the problem object names beside the reason (never a signature or a secret)."""
@@ -187,13 +194,25 @@ def encode_claim(claim: Claim, key: SigningKey) -> str:
 
 def parse_claims(text: str, keys: Mapping[str, VerifyingKey]) -> list[Claim]:
     """Check every claim's grammar and signature against ``keys``; ``ClaimRefused`` otherwise."""
+    claims, failure = _parse_prefix(text, keys)
+    if failure is not None:
+        raise failure
+    return claims
+
+
+def _parse_prefix(text: str, keys: Mapping[str, VerifyingKey]
+                  ) -> tuple[list[Claim], ClaimRefused | None]:
+    """The claims parsed in order up to the first that fails, and that failure (or None)."""
     if len(text) > MAX_FIELD_BYTES:
         msg = f"{CLAIM_HEADER} is longer than {MAX_FIELD_BYTES} bytes"
-        raise ClaimRefused(msg, reason="claim_malformed")
+        return [], ClaimRefused(msg, reason="claim_malformed")
     claims = []
     for position, raw in enumerate(text.split(","), start=1):
-        claims.append(_parse_one(raw.strip(" \t"), position, keys))
-    return claims
+        try:
+            claims.append(_parse_one(raw.strip(" \t"), position, keys))
+        except ClaimRefused as failure:
+            return claims, failure
+    return claims, None
 
 
 def _parse_one(raw: str, position: int, keys: Mapping[str, VerifyingKey]) -> Claim:
@@ -376,59 +395,99 @@ class ClaimVerifier:
         self._clock = clock
 
     def verify(self, fences: Fences) -> tuple[Claim, ...]:
-        """The request's claims, each checked; ``ClaimRefused`` at the first that fails."""
+        """The request's claims, each checked; ``ClaimRefused`` at the first that fails.
+
+        A refusal carries the claims that held in themselves (``proven``), so that its
+        audit row names what they signed, not what the request's other fields say.
+        """
         if fences.claims is None:
             msg = (f"this service accepts only signed fences: the request carries "
                    f"{FENCING_TOKEN_HEADER} without {CLAIM_HEADER}")
             raise ClaimRefused(msg, reason="claim_missing")
-        claims = parse_claims(fences.claims, self.keys)
+        claims, failure = _parse_prefix(fences.claims, self.keys)
         now_ms = self._clock() * 1000
-        skew_ms = self.max_skew_s * 1000
-        seen: set[str] = set()
-        for claim in claims:
-            self._check(claim, fences, now_ms, skew_ms)
-            if claim.key in seen:
-                msg = f"{CLAIM_HEADER} claims {claim.key!r} twice"
-                raise ClaimRefused(msg, reason="claim_malformed", lock_key=claim.key)
-            seen.add(claim.key)
-        unclaimed = sorted(set(fences.tokens) - seen)
-        if unclaimed:
-            msg = f"the fence on {unclaimed[0]!r} has no claim: every fenced key needs its own"
-            raise ClaimRefused(msg, reason="claim_missing", lock_key=unclaimed[0])
+        try:
+            if failure is not None:
+                raise failure
+            seen: set[str] = set()
+            for claim in claims:
+                self._check_claim(claim, now_ms)
+                self._check_request(claim, fences)
+                if claim.key in seen:
+                    msg = f"{CLAIM_HEADER} claims {claim.key!r} twice"
+                    raise ClaimRefused(msg, reason="claim_malformed", lock_key=claim.key)
+                seen.add(claim.key)
+            unclaimed = sorted(set(fences.tokens) - seen)
+            if unclaimed:
+                msg = f"the fence on {unclaimed[0]!r} has no claim: every fenced key needs its own"
+                raise ClaimRefused(msg, reason="claim_missing", lock_key=unclaimed[0])
+        except ClaimRefused as refused:
+            refused.proven = self._holding(claims, now_ms)
+            raise
         return tuple(claims)
 
-    def _check(self, claim: Claim, fences: Fences, now_ms: float, skew_ms: float) -> None:
-        def refuse(reason: str, what: str, field: str | None = None) -> ClaimRefused:
-            return ClaimRefused(f"the claim for {claim.key!r}: {what}", reason=reason,
-                                lock_key=claim.key, key_id=claim.key_id, field=field)
+    def proven(self, fences: Fences) -> tuple[Claim, ...]:
+        """The request's claims that hold in themselves, whatever else it carries; never raises.
 
+        Each is signed by a trusted key, for this service, and in time: what it names
+        (agent, idempotency key, intent, fences) is the guard's word. Claims after the
+        first that does not parse are not read (as ``verify`` reads none of them).
+        """
+        if fences.claims is None:
+            return ()
+        claims, _ = _parse_prefix(fences.claims, self.keys)
+        return self._holding(claims, self._clock() * 1000)
+
+    def _holding(self, claims: list[Claim], now_ms: float) -> tuple[Claim, ...]:
+        held = []
+        for claim in claims:
+            try:
+                self._check_claim(claim, now_ms)
+            except ClaimRefused:
+                continue
+            held.append(claim)
+        return tuple(held)
+
+    def _check_claim(self, claim: Claim, now_ms: float) -> None:
+        """The claim in itself: for this service, not expired, not issued ahead, not too long."""
+        skew_ms = self.max_skew_s * 1000
         if claim.audience != self.audience:
-            raise refuse("claim_wrong_audience",
-                         f"signed for {claim.audience!r}, and this service is {self.audience!r}")
+            raise _refuse(claim, "claim_wrong_audience",
+                          f"signed for {claim.audience!r}, and this service is {self.audience!r}")
         if claim.expires_ms + skew_ms < now_ms:
             ago = (now_ms - claim.expires_ms) / 1000
-            raise refuse("claim_expired", f"its lease expired {ago:.1f} s ago")
+            raise _refuse(claim, "claim_expired", f"its lease expired {ago:.1f} s ago")
         if claim.issued_ms - skew_ms > now_ms:
             ahead = (claim.issued_ms - now_ms) / 1000
-            raise refuse("claim_expired", f"issued {ahead:.1f} s in the future (clock skew over "
-                                          f"{self.max_skew_s:g} s)")
+            raise _refuse(claim, "claim_expired", f"issued {ahead:.1f} s in the future (clock "
+                                                  f"skew over {self.max_skew_s:g} s)")
         if claim.expires_ms - claim.issued_ms > self.max_lifetime_s * 1000:
-            raise refuse("claim_expired", f"valid for longer than {self.max_lifetime_s:g} s")
+            raise _refuse(claim, "claim_expired",
+                          f"valid for longer than {self.max_lifetime_s:g} s")
+
+    @staticmethod
+    def _check_request(claim: Claim, fences: Fences) -> None:
+        """The request against the claim: its token, agent, idempotency key and intent."""
         token = fences.tokens.get(claim.key)
         if token is None:
-            raise refuse("claim_mismatch", "the request carries no fence for this key",
-                         FENCING_TOKEN_HEADER)
+            raise _refuse(claim, "claim_mismatch", "the request carries no fence for this key",
+                          FENCING_TOKEN_HEADER)
         if token != claim.token:
-            raise refuse("claim_mismatch", f"signed for token {claim.token}, and "
-                                           f"{FENCING_TOKEN_HEADER} says {token}",
-                         FENCING_TOKEN_HEADER)
+            raise _refuse(claim, "claim_mismatch", f"signed for token {claim.token}, and "
+                                                   f"{FENCING_TOKEN_HEADER} says {token}",
+                          FENCING_TOKEN_HEADER)
         for field, signed, sent in ((AGENT_HEADER, claim.agent, fences.agent),
                                     (IDEMPOTENCY_KEY_HEADER, claim.idempotency_key,
                                      fences.idempotency_key),
                                     (INTENT_HEADER, claim.intent_id, fences.intent_id)):
             if signed != sent:
-                raise refuse("claim_mismatch", f"signed for another {field} than the request's",
-                             field)
+                raise _refuse(claim, "claim_mismatch",
+                              f"signed for another {field} than the request's", field)
 
     def __repr__(self) -> str:
         return f"ClaimVerifier(audience={self.audience!r}, keys={sorted(self.keys)})"
+
+
+def _refuse(claim: Claim, reason: str, what: str, field: str | None = None) -> ClaimRefused:
+    return ClaimRefused(f"the claim for {claim.key!r}: {what}", reason=reason,
+                        lock_key=claim.key, key_id=claim.key_id, field=field)

@@ -19,6 +19,9 @@ outcome into its protocol's response, and nothing here knows HTTP or MCP:
 Every outcome leaves exactly one audit row in the service's store: the store
 writes it for what happens inside ``fenced()``, ``refuse`` for what is decided
 before, ``cancelled`` for a request cancelled before the store could write one.
+In signed mode the gate's own rows name only what the request's claims signed, and
+keep what else it said as unproven (``toolguard.fences.proof``); a row the store writes
+follows verification, which matched every field to the claims.
 
 Cancellation: ``run`` serves the request in a task of its own
 (``toolguard.runtime.cancellation``), so however the server cancels (asyncio once, anyio
@@ -44,6 +47,7 @@ from toolguard.errors import DuplicateIntent, GuardMisconfigured, ToolGuardError
 from toolguard.fences.claims import Claim, ClaimRefused, ClaimVerifier
 from toolguard.fences.inflight import InFlightRegistry, default_registry
 from toolguard.fences.problems import InFlight, KeyNotFenced, Problem, problem_from_error
+from toolguard.fences.proof import attest
 from toolguard.fences.scope import scoped_key
 from toolguard.fences.wire import Fences
 from toolguard.runtime.cancellation import finish, isolated
@@ -316,11 +320,11 @@ class FenceGate:
             try:
                 held = await stack.enter_async_context(self.inflight.hold(stored))
             except ToolGuardError as error:  # the marker's store is down: 503, audited if it can
-                return await self.refuse(error, tool=tool, fences=fences)
+                return await self.refuse(error, tool=tool, fences=fences, claims=claims)
             if not held:
                 msg = f"a request with idempotency key {key!r} is still in flight; retry later"
                 return await self.refuse(InFlight(msg, idempotency_key=key), tool=tool,
-                                         fences=fences)
+                                         fences=fences, claims=claims)
             return await self._fenced(fences, tool, digest, handler, stored, claims)
 
     async def _fenced(self, fences: Fences, tool: str, digest: str, handler: Handler,
@@ -356,17 +360,17 @@ class FenceGate:
         return Applied(answer.value)
 
     async def refuse(self, error: ToolGuardError, *, tool: str | None,
-                     fences: Fences | None = None) -> Refused:
-        """Audit a refusal decided before the fenced transaction, and return its problem."""
+                     fences: Fences | None = None,
+                     claims: tuple[Claim, ...] | None = None) -> Refused:
+        """Audit a refusal decided before the fenced transaction, and return its problem.
+
+        ``claims`` are the request's verified claims, when verification passed.
+        """
         problem = problem_from_error(error)
-        fences = fences or Fences()
-        key = fences.idempotency_key
-        entry = AuditEntry(decision="rejected", reason=problem.reason, tool=tool,
-                           agent=fences.agent, intent_id=fences.intent_id,
-                           idempotency_key=None if key is None else scoped_key(
-                               key, audience=self.audience, agent=fences.agent),
-                           keys=tuple(sorted(fences.tokens)), tokens=fences.tokens,
-                           detail=problem.detail[:2000], duration_ms=0.0)
+        if claims is None and isinstance(error, ClaimRefused):
+            claims = error.proven
+        entry = self._entry("rejected", problem.reason, tool, fences or Fences(), claims,
+                            problem.detail[:2000])
         try:
             await self.check_store()
         except asyncio.CancelledError as cancelled:  # the refusal is decided: it is audited
@@ -383,14 +387,26 @@ class FenceGate:
         if was_audited(error):
             return
         mark_audited(error)
-        fences = fences or Fences()
-        entry = AuditEntry(decision="unknown", reason="cancelled", tool=tool,
-                           agent=fences.agent, intent_id=fences.intent_id,
-                           idempotency_key=fences.idempotency_key,
-                           keys=tuple(sorted(fences.tokens)), tokens=fences.tokens,
-                           detail="cancelled before its fenced transaction: nothing was run",
-                           duration_ms=0.0)
+        entry = self._entry("unknown", "cancelled", tool, fences or Fences(), None,
+                            "cancelled before its fenced transaction: nothing was run")
         await self._audit(entry)
+
+    def _entry(self, decision: str, reason: str, tool: str | None, fences: Fences,
+               claims: tuple[Claim, ...] | None, detail: str) -> AuditEntry:
+        """The row of a decision the store did not write. In signed mode its columns hold
+        what the claims signed, and what the request brought beside it is marked unproven
+        (``toolguard.fences.proof``); unsigned, the request's fields as they came."""
+        args = None
+        if self.claims is not None:
+            attested = attest(fences, self.claims.proven(fences) if claims is None else claims)
+            fences, args = attested.fences, attested.args()
+        key = fences.idempotency_key
+        return AuditEntry(decision=decision, reason=reason, tool=tool,
+                          agent=fences.agent, intent_id=fences.intent_id,
+                          idempotency_key=None if key is None else scoped_key(
+                              key, audience=self.audience, agent=fences.agent),
+                          keys=tuple(sorted(fences.tokens)), tokens=fences.tokens, args=args,
+                          detail=detail, duration_ms=0.0)
 
     async def _audit(self, entry: AuditEntry) -> None:
         """Write ``entry`` to its end, even if the request is cancelled meanwhile."""

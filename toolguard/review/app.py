@@ -50,7 +50,7 @@ from toolguard.review.views import (
 )
 from toolguard.runtime.connection_errors import redacted_url as redact
 from toolguard.store import AuditEntry, GuardedStore
-from toolguard.store.audit_view import REASONS, visible
+from toolguard.store.audit_view import REASONS, arguments, unproven, visible
 from toolguard.store.policy_versions import read_policy_text
 
 __all__ = ["ATTEMPTS_LIMIT", "SCAN_LIMIT", "create_app"]
@@ -108,7 +108,7 @@ def _environment() -> jinja2.Environment:
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, finalize=_shown)
     env.filters.update(when=when, pretty=pretty)
-    env.globals.update(why=why, meaning=meaning)
+    env.globals.update(why=why, meaning=meaning, unproven=unproven, arguments=arguments)
     return env
 
 

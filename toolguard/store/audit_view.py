@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from toolguard.store import AuditEntry
 
-__all__ = ["CSV_COLUMNS", "DECISIONS", "DECISION_STYLE", "REASONS", "AuditFilters", "parse_moment",
-           "visible"]
+__all__ = ["CSV_COLUMNS", "DECISIONS", "DECISION_STYLE", "REASONS", "UNPROVEN", "UNPROVEN_FIELDS",
+           "AuditFilters", "arguments", "parse_moment", "unproven", "visible"]
 
 #: What a stored value must not send to a terminal (or a page) as it is: control characters
 #: (escape sequences, C1 controls), bidi overrides and isolates, lone surrogates.
@@ -118,6 +118,38 @@ def _jsonable(entry: AuditEntry) -> dict[str, Any]:
     if entry.at is not None:
         data["at"] = _when(entry.at)
     return data
+
+
+#: The ``args`` member where a signed service keeps what a request brought that no claim
+#: proved (``toolguard.fences.proof``): never in a column, where it would read as proven.
+UNPROVEN = "unproven"
+#: The values it may hold, each with how the views name it (``agent (unproven)``).
+UNPROVEN_FIELDS = (("agent", "agent"), ("intent_id", "intent id"),
+                   ("idempotency_key", "idempotency key"), ("tokens", "tokens"))
+
+
+def _marker(args: Any) -> dict[str, Any] | None:
+    found = args.get(UNPROVEN) if isinstance(args, dict) and len(args) == 1 else None
+    return found if isinstance(found, dict) else None
+
+
+def unproven(entry: AuditEntry) -> dict[str, str]:
+    """What the request brought that no claim proved, as text, by field name (``tokens`` as
+    ``key=token, ...``); empty for a row that marks nothing."""
+    found = _marker(entry.args) or {}
+    out: dict[str, str] = {}
+    for name, _ in UNPROVEN_FIELDS:
+        value = found.get(name)
+        if isinstance(value, dict) and value:
+            out[name] = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, str):
+            out[name] = value
+    return out
+
+
+def arguments(entry: AuditEntry) -> Any:
+    """The row's ``args`` as the call's arguments: None when they hold only the unproven marker."""
+    return None if _marker(entry.args) is not None else entry.args
 
 
 def _csv(entries: list[AuditEntry]) -> str:

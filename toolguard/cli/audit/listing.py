@@ -50,10 +50,13 @@ from toolguard.cli.audit.filters import (
 from toolguard.store.audit_view import (
     DECISION_STYLE,
     REASONS,
+    UNPROVEN_FIELDS,
     _csv,
     _jsonable,
     _when,
     _why,
+    arguments,
+    unproven,
     visible,
 )
 
@@ -163,19 +166,30 @@ def show_command(
     if entry.reason in REASONS:
         reason.append(f"  ({REASONS[entry.reason]})", style="dim")
     table.add_row("reason", reason)
+    said = unproven(entry)  # what the request brought that no claim proved
     for name in ("agent", "tool", "intent_id", "idempotency_key", "workflow"):
         table.add_row(name.replace("_", " "), Text(visible(str(getattr(entry, name) or "-"))))
+        _add_unproven(table, said, name)
     table.add_row("keys", Text(visible(", ".join(entry.keys)) or "-"))
     table.add_row("tokens", Text(visible(", ".join(f"{k}={v}" for k, v in entry.tokens.items()))
                                  or "-"))
+    _add_unproven(table, said, "tokens")
     table.add_row("node attempt", str(entry.node_attempt or "-"))
     table.add_row("policy version", Text(visible(entry.policy_version or "-")))
     table.add_row("duration", f"{entry.duration_ms:.1f} ms" if entry.duration_ms is not None else "-")
-    table.add_row("args", Text(visible(json.dumps(entry.args, indent=2, ensure_ascii=False),
-                                       lines=True) if entry.args is not None else "-"))
+    args = arguments(entry)
+    table.add_row("args", Text(visible(json.dumps(args, indent=2, ensure_ascii=False),
+                                       lines=True) if args is not None else "-"))
     table.add_row("detail", Text(visible(entry.detail or "-", lines=True)))
     out.print(table)
     _print_rules(out, entry, deciding, on_disk)
+
+
+def _add_unproven(table: Table, said: dict[str, str], name: str) -> None:
+    """A row ``NAME (unproven)`` under the column ``name`` when the request said another value."""
+    if name in said:
+        label = dict(UNPROVEN_FIELDS)[name]
+        table.add_row(Text(f"{label} (unproven)", style="yellow"), Text(visible(said[name])))
 
 
 def _print_rules(out: Any, entry: AuditEntry, deciding: Any, on_disk: Any) -> None:
@@ -272,6 +286,9 @@ def _render_list(entries: list[AuditEntry], filters: AuditFilters, *, limit: int
         line.append(f"{entry.decision:<8}", style=DECISION_STYLE.get(entry.decision, ""))
         line.append(f"  {visible(entry.reason):<{reason_width}}  ")
         line.append(visible(entry.agent or "?"), style="bold")
+        claimed = unproven(entry).get("agent")
+        if claimed is not None:
+            line.append(visible(f" (unproven: {claimed})"), style="yellow")
         line.append(" → ")
         line.append(visible(entry.tool or "?"), style="bold")
         if entry.keys:
