@@ -22,6 +22,7 @@ from toolguard.adapters.functions import GuardedFunction, guarded
 if TYPE_CHECKING:
     from toolguard.adapters.langchain import GuardedTool, guard_tool
     from toolguard.adapters.langgraph import GuardedToolCalls, ToolGuardMiddleware
+    from toolguard.adapters.openai_agents import guard_function_tool, guard_tools
     from toolguard.adapters.pydantic_ai import GuardedToolset, guard_toolset
 
 #: name -> (module, extra)
@@ -32,6 +33,8 @@ _LAZY = {
     "ToolGuardMiddleware": ("toolguard.adapters.langgraph", "langgraph"),
     "GuardedToolset": ("toolguard.adapters.pydantic_ai", "pydantic-ai"),
     "guard_toolset": ("toolguard.adapters.pydantic_ai", "pydantic-ai"),
+    "guard_function_tool": ("toolguard.adapters.openai_agents", "openai-agents"),
+    "guard_tools": ("toolguard.adapters.openai_agents", "openai-agents"),
 }
 
 
@@ -60,7 +63,9 @@ __all__ = [
     "GuardedToolCalls",
     "GuardedToolset",
     "ToolGuardMiddleware",
+    "guard_function_tool",
     "guard_tool",
+    "guard_tools",
     "guard_toolset",
     "guarded",
 ]

@@ -38,10 +38,8 @@ function is that thread), ``current().atx`` in an async one.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import json
-import queue
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -53,7 +51,7 @@ from pydantic_ai.exceptions import ToolFailed
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 
 from toolguard.adapters._results import PlainOutcome, replayed_value
-from toolguard.adapters._worker import has_sync_edges, in_worker
+from toolguard.adapters._worker import InboxExecutor, has_sync_edges, in_worker, on_loop
 from toolguard.adapters.identity import AGENT_METADATA_KEY
 from toolguard.call.context import CallContext
 from toolguard.call.envelope import untrusted_intent
@@ -69,8 +67,6 @@ AgentResolver = Callable[[RunContext[Any]], Any]
 
 #: Reasons the model can fix by sending other arguments: answered with a retry prompt.
 RETRY_REASONS = frozenset({"invalid_arguments"})
-#: How often a worker waiting on the event loop checks that the loop still runs.
-_LOOP_CHECK_S = 0.5
 _SYNC_TOOL_ASYNC_GUARD = (
     "{tool} is a sync function, and this guard has only asyncio locks and store "
     "(async_locks=, async_store=): it would run without a sync fenced transaction. Give the "
@@ -187,7 +183,8 @@ class GuardedToolset(WrapperToolset[Any]):
             outcome = PlainOutcome()
             decision = await in_worker(lambda: self._guard.run(
                 self.intent(name, tool_args, ctx), lambda cctx: outcome.run(
-                    lambda: _on_loop(lambda: self._call(name, cctx, ctx, original), loop))))
+                    lambda: on_loop(lambda here: _with_executor(
+                        here, lambda: self._call(name, cctx, ctx, original)), loop))))
             return _answer(decision, outcome, ctx)
         outcome = PlainOutcome()
 
@@ -232,58 +229,10 @@ def _answer(decision: Decision, outcome: PlainOutcome, ctx: RunContext[Any]) -> 
     raise ToolFailed(text)
 
 
-class _Here(concurrent.futures.Executor):
-    """An executor whose work runs in the thread that waits on ``inbox`` (the guarded call's)."""
-
-    def __init__(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
-        self._inbox = inbox
-
-    def submit(self, fn: Callable[..., T], /, *args: Any,
-               **kwargs: Any) -> concurrent.futures.Future[T]:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def work() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as error:  # handed to the awaiting coroutine
-                future.set_exception(error)
-
-        self._inbox.put(work)
-        return future
-
-
-def _on_loop(call: Callable[[], Awaitable[T]], loop: asyncio.AbstractEventLoop) -> T:
-    """Run ``call()`` on ``loop`` from this worker thread; the sync functions it runs, here.
-
-    The tool runs through the toolset's own async ``call_tool`` (timeouts,
-    wrappers), on the loop; PydanticAI hands a sync function to its thread
-    executor, which is this thread: the one that holds the sync transaction.
-    """
-    inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-    with Agent.using_thread_executor(_Here(inbox)):  # the task started below inherits it
-        running = asyncio.run_coroutine_threadsafe(_awaited(call), loop)
-    running.add_done_callback(lambda _done: inbox.put(None))
-    while True:
-        try:
-            work = inbox.get(timeout=_LOOP_CHECK_S)
-        except queue.Empty:
-            if loop.is_closed() and not running.done():  # the loop is gone: nothing answers
-                running.cancel()
-                raise asyncio.CancelledError from None
-            continue
-        if work is None:
-            break
-        work()
-    try:
-        return running.result()
-    except concurrent.futures.CancelledError:
-        raise asyncio.CancelledError from None
-
-
-async def _awaited(call: Callable[[], Awaitable[T]]) -> T:
-    return await call()
+async def _with_executor(here: InboxExecutor, call: Callable[[], Awaitable[T]]) -> T:
+    """``call()`` with PydanticAI handing its sync functions to ``here`` (the worker thread)."""
+    with Agent.using_thread_executor(here):
+        return await call()
 
 
 def guard_toolset(guard: ToolGuard, toolset: AbstractToolset[Any], *,
