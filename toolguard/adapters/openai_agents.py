@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
-from agents import FunctionTool, RunContextWrapper
+from agents import FunctionTool, RunContextWrapper, Tool
 from agents.tool import (
     maybe_invoke_function_tool_failure_error_function,
     set_function_tool_failure_error_function,
@@ -196,6 +196,6 @@ def guard_function_tool(guard: ToolGuard, tool: FunctionTool, *,
 
 
 def guard_tools(guard: ToolGuard, tools: Iterable[FunctionTool], *,
-                agent: str | AgentResolver | None = None) -> list[FunctionTool]:
-    """``guard_function_tool`` for each of ``tools``."""
+                agent: str | AgentResolver | None = None) -> list[Tool]:
+    """``guard_function_tool`` for each of ``tools`` (typed as ``Agent(tools=...)`` takes them)."""
     return [guard_function_tool(guard, tool, agent=agent) for tool in tools]
