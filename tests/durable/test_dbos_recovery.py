@@ -23,6 +23,7 @@ from psycopg import sql
 from toolguard import open_store
 
 APP = Path(__file__).with_name("dbos_app.py")
+PAI_APP = Path(__file__).with_name("pai_dbos_app.py")
 ROOT = Path(__file__).resolve().parents[2]
 #: DBOS's system database, a database of its own on the test server.
 DBOS_DATABASE = "toolguard_dbos_test"
@@ -58,8 +59,9 @@ def setup(postgres_url: str, redis_url: str, unique: str) -> Iterator[dict[str, 
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
-def app(env: dict[str, str], mode: str, workflow_id: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(APP), mode, workflow_id], env=env, cwd=ROOT,
+def app(env: dict[str, str], mode: str, workflow_id: str,
+        script: Path = APP) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(script), mode, workflow_id], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -88,5 +90,32 @@ def test_a_step_killed_after_its_commit_is_replayed_on_recovery(setup: dict[str,
                                                                    ("replayed", "duplicate")]
             assert rows[0].idempotency_key == rows[1].idempotency_key
             assert rows[0].idempotency_key == f"run:dbos%3A{workflow_id}//step-1"
+    finally:
+        store.close()
+
+
+def test_a_pydantic_ai_run_under_dbos_replays_its_guarded_tool(setup: dict[str, str],
+                                                               unique: str) -> None:
+    """PydanticAI's DBOS durability: the run's ids come from the workflow, the model's answers
+    from recorded steps, so the re-executed tool call has the same key and replays."""
+    store = open_store(setup["TG_STORE_URL"], schema=setup["TG_STORE_SCHEMA"])
+    try:
+        for round_ in range(ROUNDS):
+            workflow_id = f"pai-{unique}-{round_}"
+            crashed = app(setup, "crash", workflow_id, PAI_APP)
+            assert crashed.returncode == 17, crashed.stderr[-2000:]
+
+            recovered = app(setup, "recover", workflow_id, PAI_APP)
+
+            assert recovered.returncode == 0, recovered.stderr[-2000:]
+            assert recovered.stdout.strip().splitlines()[-1] == "paid"
+            with store.connection() as conn:
+                assert conn.execute("SELECT count(*) FROM payment WHERE order_id = %s",
+                                    (workflow_id,)).fetchone()[0] == 1
+            rows = [row for row in store.query_audit(limit=None, newest_first=False, tool="charge")
+                    if row.args and row.args.get("order_id") == workflow_id]
+            assert [(row.decision, row.reason) for row in rows] == [("accepted", "applied"),
+                                                                   ("replayed", "duplicate")]
+            assert rows[0].idempotency_key == rows[1].idempotency_key
     finally:
         store.close()
