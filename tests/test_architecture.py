@@ -48,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
 #: rooms that never import a framework at module level (the plain path stays plain)
 CORE = {"runtime", "locks", "call", "store", "policies", "controls", "steps", "guard", "open"}
 FRAMEWORKS = ("langgraph", "langchain", "langchain_core", "fastmcp", "mcp", "starlette", "httpx",
-              "uvicorn", "typer", "rich")
+              "uvicorn", "typer", "rich", "pydantic_ai", "agents", "dbos")
 MAX_LINES = 800
 MAX_TOP_LEVEL = 8
 

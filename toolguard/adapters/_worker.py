@@ -35,7 +35,7 @@ import queue
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["has_sync_edges", "in_worker", "worker_execute"]
+__all__ = ["InboxExecutor", "has_sync_edges", "in_worker", "on_loop", "worker_execute"]
 
 T = TypeVar("T")
 
@@ -96,6 +96,57 @@ def worker_execute(execute: Callable[[Any], Awaitable[T]],
 
 async def _awaited(awaitable: Awaitable[T]) -> T:
     return await awaitable
+
+
+class InboxExecutor(concurrent.futures.Executor):
+    """An executor whose work runs in the worker thread that waits in ``on_loop`` for it."""
+
+    def __init__(self, inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        self._inbox = inbox
+
+    def submit(self, fn: Callable[..., T], /, *args: Any,
+               **kwargs: Any) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def work() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # handed to the awaiting coroutine
+                future.set_exception(error)
+
+        self._inbox.put(work)
+        return future
+
+
+def on_loop(call: Callable[[InboxExecutor], Awaitable[T]], loop: asyncio.AbstractEventLoop) -> T:
+    """Await ``call(here)`` on ``loop`` from this worker thread, and run what ``here`` gets here.
+
+    For frameworks whose tool runner is async and hands a sync function to an
+    executor: ``call`` makes that executor ``here`` (e.g. PydanticAI's
+    ``Agent.using_thread_executor``), so the function runs in this thread, the
+    one that holds the sync guarded call's transaction. The coroutine starts
+    with this thread's contextvars (``current()``).
+    """
+    inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+    running = asyncio.run_coroutine_threadsafe(_awaited(call(InboxExecutor(inbox))), loop)
+    running.add_done_callback(lambda _done: inbox.put(None))
+    while True:
+        try:
+            work = inbox.get(timeout=_LOOP_CHECK_S)
+        except queue.Empty:
+            if loop.is_closed() and not running.done():  # the loop is gone: nothing answers
+                running.cancel()
+                raise asyncio.CancelledError from None
+            continue
+        if work is None:
+            break
+        work()
+    try:
+        return running.result()
+    except concurrent.futures.CancelledError:  # the loop cancelled it (e.g. shutting down)
+        raise asyncio.CancelledError from None
 
 
 def _answered_here(tool: Any, inbox: queue.SimpleQueue[Callable[[], None] | None],

@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Generic, Literal, ParamSpec, Self, TypeVar, cast, overload
 
 from toolguard.adapters._worker import has_sync_edges, in_worker
+from toolguard.adapters.durable import durable_identity, in_durable_step
 from toolguard.adapters.identity import check_identity_source
 from toolguard.call.context import CallContext
 from toolguard.call.envelope import untrusted_intent
@@ -104,7 +105,16 @@ class GuardedFunction(Generic[P, R]):
 
     def intent(self, args: Any, *, agent: Any = None, call_id: Any = None, thread_id: Any = None,
                run_id: Any = None, node_attempt: Any = 1) -> Intent:
-        """The intent of one direct call; never raises (the guard refuses a bad one)."""
+        """The intent of one direct call; never raises (the guard refuses a bad one).
+
+        Without a call id, thread and run, a call inside a durable engine's step
+        (a DBOS step) takes the step's identity (``toolguard.adapters.durable``):
+        a re-run of the step replays it.
+        """
+        if call_id is None and thread_id is None and run_id is None:
+            durable = durable_identity()
+            if durable is not None:
+                call_id, run_id, node_attempt = durable.call_id, durable.run_id, durable.attempt
         # Untrusted: anything but a mapping goes to the guard as is, which refuses it (audited).
         raw = dict(args) if isinstance(args, Mapping) else args
         return untrusted_intent(tool=self.name, args=raw, call_id=call_id,
@@ -162,14 +172,19 @@ class GuardedFunction(Generic[P, R]):
         bound = self._signature.bind(*args, **kwargs)
         if self.is_async:
             return cast(R, self._acall(dict(bound.arguments)))
-        decision = self.run(bound.arguments, call_id=uuid.uuid4().hex)
+        decision = self.run(bound.arguments, call_id=_direct_call_id())
         return cast(R, decision.raise_for_rejection())
 
     def _acall(self, arguments: dict[str, Any]) -> Coroutine[Any, Any, Any]:
         async def call() -> Any:
-            return (await self.arun(arguments, call_id=uuid.uuid4().hex)).raise_for_rejection()
+            return (await self.arun(arguments, call_id=_direct_call_id())).raise_for_rejection()
 
         return call()
+
+
+def _direct_call_id() -> str | None:
+    """A fresh id for a direct call; none inside a durable step, whose identity ``intent`` takes."""
+    return None if in_durable_step() else uuid.uuid4().hex
 
 
 def _with_signature(function: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:

@@ -30,6 +30,9 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "review": ("starlette", "jinja2", "uvicorn"),
     "otel": ("opentelemetry",),
     "signing": ("cryptography",),
+    "pydantic-ai": ("pydantic_ai",),
+    "openai-agents": ("agents",),
+    "dbos": ("dbos",),
 }
 
 
