@@ -96,13 +96,14 @@ def test_the_demos_rejected_intents_in_chromium(browser: Any, demo_home: dict[st
         assert page.locator("h1").inner_text() == "Rejected intents"
         assert [r["id"] for r in tab.rows()] == [f"#{e.id}" for e in rejected]
         shown = {r["reason"] for r in tab.rows()}
-        assert shown >= {  # the pipeline's, then the epilogue's
+        assert shown >= {  # the pipeline's, then the epilogues' (controls, decisions)
             "stale_fencing_token", "out_of_order", "invalid_arguments", "not_authorized",
-            "approval_required", "budget_exceeded"}
+            "approval_required", "budget_exceeded", "stale_read"}
         # A loaded machine may delay a renewal or a grant past its bound: the guard then refuses
         # that call too (the model retries it), and the page shows it like any other refusal.
         assert shown - {"stale_fencing_token", "out_of_order", "invalid_arguments", "not_authorized",
-                        "approval_required", "budget_exceeded"} <= {"lease_lost", "lock_timeout"}
+                        "approval_required", "budget_exceeded", "stale_read"} <= {
+            "lease_lost", "lock_timeout"}
         assert page.locator("svg.bars rect").count() >= 2  # the chart, drawn by the server
         tab.shot(tmp_path, "review-rejected")
 

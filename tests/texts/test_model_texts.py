@@ -95,6 +95,14 @@ PINNED: dict[str, tuple[DecisionKind, str]] = {
     "stale_fencing_token": ("rejected", R.format(
         reason="stale_fencing_token", text="another call on this resource wrote first; nothing "
         "was written. Read the resource again before retrying.")),
+    "stale_read": ("rejected", R.format(
+        reason="stale_read", text="a record this decision rests on changed since it was read; "
+        "nothing was written. Read it again, decide again from what it says now, then send the "
+        "new call.")),
+    "unread": ("rejected", R.format(
+        reason="unread", text="this call writes a record without a current read of it; nothing "
+        "was written. Read the record first, decide from what it says, then send the call.")),
+    "read": ("accepted", C.format(reason="read", text="the call was read.")),
     "idempotency_conflict": ("rejected", R.format(
         reason="idempotency_conflict", text="this tool-call id was already used with other "
         "arguments; nothing was run.")),
@@ -117,7 +125,7 @@ PINNED: dict[str, tuple[DecisionKind, str]] = {
     # everything else: the generic text (the detail is the operator's: drivers, hosts, stores)
     **{code: (kind, (R if kind == "rejected" else F).format(reason=code, text=GENERIC))
        for kind, codes in (
-           ("rejected", ("key_not_fenced", "lock_error", "rejected")),
+           ("rejected", ("key_not_fenced", "lock_error", "read_check_failed", "rejected")),
            # a fenced service's claim refusals, key and reset errors, the gateway's upstream
            ("failed", ("claim_bad_signature", "claim_malformed", "claim_missing",
                        "claim_not_held", "claim_unknown_key", "fence_key", "fence_reset",

@@ -41,9 +41,9 @@ class Prepared:
 def accepted(intent: Intent, prepared: Prepared, result: Any, replayed: bool,
              tokens: Mapping[str, int]) -> Decision:
     """The decision of a call that applied (or was answered from its recorded result)."""
-    done = "read" if prepared.reads else "applied"
     return Decision(kind="replayed" if replayed else "accepted",
-                    reason="duplicate" if replayed else done, intent=intent, result=result,
+                    reason="duplicate" if replayed else ("read" if prepared.reads else "applied"),
+                    intent=intent, result=result,
                     keys=prepared.keys or prepared.reads, tokens=dict(tokens),
                     idempotency_key=prepared.record.idempotency_key)
 
