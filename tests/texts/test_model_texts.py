@@ -92,6 +92,14 @@ PINNED: dict[str, tuple[DecisionKind, str]] = {
         "used; nothing was run. Tell the user.")),
     "lease_lost": ("rejected", R.format(reason="lease_lost", text=LEASE)),
     "not_owned": ("rejected", R.format(reason="not_owned", text=LEASE)),
+    "hold_lost": ("rejected", R.format(
+        reason="hold_lost", text="this call's hold on the record ended before it wrote (it was "
+        "held too long, the turn ended, or another agent needed it); nothing was written. Read "
+        "the record again, decide again from what it says now, then send the new call.")),
+    "hold_deadlock": ("rejected", R.format(
+        reason="hold_deadlock", text="another agent needs a record you were holding while you "
+        "waited for one it holds; your holds were released and nothing was written. Read the "
+        "records again, decide again, then send the new call.")),
     "stale_fencing_token": ("rejected", R.format(
         reason="stale_fencing_token", text="another call on this resource wrote first; nothing "
         "was written. Read the resource again before retrying.")),

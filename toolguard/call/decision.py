@@ -90,6 +90,12 @@ MODEL_TEXTS: Mapping[str, str] = {
                   "new call.",
     "unread": "this call writes a record without a current read of it; nothing was written. "
               "Read the record first, decide from what it says, then send the call.",
+    "hold_lost": "this call's hold on the record ended before it wrote (it was held too long, "
+                 "the turn ended, or another agent needed it); nothing was written. Read the "
+                 "record again, decide again from what it says now, then send the new call.",
+    "hold_deadlock": "another agent needs a record you were holding while you waited for one "
+                     "it holds; your holds were released and nothing was written. Read the "
+                     "records again, decide again, then send the new call.",
     "stale_fencing_token": "another call on this resource wrote first; nothing was written. "
                            "Read the resource again before retrying.",
     "idempotency_conflict": "this tool-call id was already used with other arguments; "
