@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from toolguard.call.intent import Intent
 from toolguard.errors import HoldDeadlock, HoldLost, LockLost, LockTimeout
 from toolguard.locks import AsyncLockManager, Lease, LockManager
 from toolguard.locks.lease import RENEW_FRACTION
@@ -48,7 +49,7 @@ from toolguard.store.base import AuditEntry
 from toolguard.store.holds import AsyncBoard, Board, yields
 from toolguard.store.reads import caller_of
 
-__all__ = ["CHECK_S", "Holds", "Joined", "WriteLeases", "caller_for"]
+__all__ = ["CHECK_S", "Holds", "Joined", "WriteLeases", "caller_for", "caller_of_intent"]
 
 log = logging.getLogger("toolguard.holds")
 
@@ -62,6 +63,14 @@ _MAX_ENDED = 10_000
 def caller_for(agent: str, thread: str | None) -> str | None:
     """The caller whose holds ``guard.release_holds`` ends: an agent in one conversation."""
     return caller_of(agent, thread)
+
+
+def caller_of_intent(intent: Intent) -> str | None:
+    """The caller of ``intent`` as the read step counts it (``Prepared.caller``)."""
+    flow = intent.workflow
+    conversation = flow.conversation if flow.conversation is not None else (
+        flow.thread_id or flow.run_id)
+    return caller_of(intent.agent, conversation) if isinstance(intent.agent, str) else None
 
 
 def check_every(ttl_ms: int) -> float:
@@ -255,7 +264,10 @@ class Holds:
         """End every hold of ``caller`` (sync leases); the number ended."""
         ended = 0
         for held in self.holding(caller):
-            if held.loop is not None:
+            if held.loop is not None and _running(held.loop):  # cannot wait for the loop here
+                if self._take_out(held, why, remember=True):
+                    held.loop.create_task(self._afree(held, why, True))
+            elif held.loop is not None:
                 try:
                     asyncio.run_coroutine_threadsafe(self._aend(held, why), held.loop).result(30)
                 except Exception:
@@ -270,8 +282,11 @@ class Holds:
 
     async def _aend(self, held: Held, why: str, *, remember: bool = True,
                     audit: bool = True) -> None:
-        if not self._take_out(held, why, remember):
-            return
+        if self._take_out(held, why, remember):
+            await self._afree(held, why, audit)
+
+    async def _afree(self, held: Held, why: str, audit: bool) -> None:
+        """An async hold taken out of the registry: its row, the release, the graph."""
         if audit:  # first: the row precedes whatever the next holder does
             with contextlib.suppress(Exception):
                 await finish(held.store.audit(held.entry(why)))
@@ -493,3 +508,11 @@ def _note(held: Held) -> str:
     tokens = ", ".join(f"{k} token {t}" for k, t in sorted(held.lease.tokens.items()))
     return (f"; hold taken ({tokens}) until this caller writes, its turn ends or "
             f"max_hold_s ({held.prepared.rule.max_hold_s:g} s) passes")
+
+
+def _running(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether this thread runs ``loop`` now."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
