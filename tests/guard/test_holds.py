@@ -314,3 +314,22 @@ def test_the_async_path_holds_and_cancellation_leaves_no_hold(harness: Any) -> N
     assert bank.balances("acct") == {"acct": 155}
     wait_until(lambda: not h.sql("SELECT key FROM toolguard_hold WHERE caller = %s",
                                  (h.guard.caller("alice", "t-a"),)), what="no hold row")
+
+
+def test_a_write_after_the_held_lease_was_lost_is_refused(harness: Any) -> None:
+    from toolguard.errors import LockLost
+
+    h: Harness = harness(HELD)
+    bank = Bank(h)
+    bank.open({"acct": 100})
+    alice = Agent(h, "alice", "t-a")
+    seen = alice.read("acct")
+    (held,) = h.guard.holds.holding(h.guard.caller("alice", "t-a"))
+    held.lease.mark_lost(LockLost("renewals failed", keys=held.lease.keys))  # as the heartbeat
+    late = alice.call("set_balance", account_id="acct", balance=seen + 1)
+    assert (late.kind, late.reason) == ("rejected", "hold_lost")
+    assert bank.balances("acct") == {"acct": 100}
+    ended = h.audit(reason="hold_ended")
+    assert len(ended) == 1 and "lease was lost" in (ended[0].detail or "")
+    assert alice.read("acct") == 100 and alice.call("set_balance", account_id="acct",
+                                                     balance=101).ok

@@ -378,8 +378,11 @@ class Holds:
         caller, rule = prepared.caller, prepared.rule
         assert caller is not None
         self._forget_ended(caller, prepared.reads)
+        for gone in self.holding(caller):
+            if gone.lease.lost and gone.keys & set(prepared.reads):
+                self._end(gone, "its lease was lost", remember=False)
         mine = self.holding(caller)
-        covered = frozenset().union(*(h.keys for h in mine if not h.lease.lost))
+        covered = frozenset().union(*(h.keys for h in mine))
         missing = tuple(k for k in prepared.reads if k not in covered)
         if not missing:
             return run(f"; already held by this caller (max_hold_s {rule.max_hold_s:g} s)")
@@ -408,8 +411,11 @@ class Holds:
         caller, rule = prepared.caller, prepared.rule
         assert caller is not None
         self._forget_ended(caller, prepared.reads)
+        for gone in self.holding(caller):
+            if gone.lease.lost and gone.keys & set(prepared.reads):
+                await self._aend(gone, "its lease was lost", remember=False)
         mine = self.holding(caller)
-        covered = frozenset().union(*(h.keys for h in mine if not h.lease.lost))
+        covered = frozenset().union(*(h.keys for h in mine))
         missing = tuple(k for k in prepared.reads if k not in covered)
         if not missing:
             return await run(f"; already held by this caller (max_hold_s {rule.max_hold_s:g} s)")
@@ -448,13 +454,18 @@ class Holds:
         if not mine:
             return None
         covering = [h for h in mine if h.keys & set(prepared.keys)]
-        for held in covering:
-            if held.lease.lost or held.lease.released:
-                msg = f"hold on {', '.join(sorted(held.keys))} was lost before this write"
-                self._take_out(held, "lease lost", remember=True)
-                raise HoldLost(msg, keys=tuple(sorted(held.keys)))
         taken = frozenset().union(*(h.keys for h in covering))
         return covering, tuple(k for k in prepared.keys if k not in taken)
+
+    @staticmethod
+    def _gone(covering: list[Held]) -> Held | None:
+        """A hold the write would run under whose lease is lost."""
+        return next((h for h in covering if h.lease.lost or h.lease.released), None)
+
+    @staticmethod
+    def _lost(held: Held) -> HoldLost:
+        keys = tuple(sorted(held.keys))
+        return HoldLost(f"hold on {', '.join(keys)} was lost before this write", keys=keys)
 
     def write(self, locks: LockManager, store: Any, prepared: Prepared) -> WriteLeases | None:
         """The lease a holding caller's write runs under (None: no holds, the usual path)."""
@@ -463,6 +474,10 @@ class Holds:
             return None
         covering, missing = plan
         assert prepared.caller is not None
+        gone = self._gone(covering)
+        if gone is not None:
+            self._end(gone, "its lease was lost")
+            raise self._lost(gone)
         fresh = (self._acquire(locks, Board(store), prepared.caller, missing,
                                prepared.rule.ttl_ms, prepared.rule.wait_timeout_s)
                  if missing else None)
@@ -477,6 +492,10 @@ class Holds:
             return None
         covering, missing = plan
         assert prepared.caller is not None
+        gone = self._gone(covering)
+        if gone is not None:
+            await self._aend(gone, "its lease was lost")
+            raise self._lost(gone)
         fresh = (await self._aacquire(locks, AsyncBoard(store), prepared.caller, missing,
                                       prepared.rule.ttl_ms, prepared.rule.wait_timeout_s)
                  if missing else None)
