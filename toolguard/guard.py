@@ -336,6 +336,7 @@ class ToolGuard:
                     call.decided(self._refusal(state, _pending()))
                     raise
                 if is_control_flow(error):
+                    self.holds.drop(state.prepared)  # a cancelled read keeps no hold
                     self._record_unknown(state, error, call)
                     raise
                 if not isinstance(error, Exception):
@@ -481,6 +482,8 @@ class ToolGuard:
                 if is_control_flow(error):
                     if state.decided:  # cancelled after its row was written: that row stands
                         mark_audited(error)
+                    if self.holds.taken_by(state.prepared):  # a cancelled read keeps no hold
+                        await finish(self.holds.adrop(state.prepared))
                     await finish(self._arecord_unknown(state, error, call))
                     raise
                 if not isinstance(error, Exception):

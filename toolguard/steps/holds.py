@@ -241,8 +241,11 @@ class Holds:
     # --- ending (sync) ------------------------------------------------------------------
 
     def _end(self, held: Held, why: str, *, remember: bool = True, audit: bool = True) -> None:
-        if not self._take_out(held, why, remember):
-            return
+        if self._take_out(held, why, remember):
+            self._free(held, why, audit)
+
+    def _free(self, held: Held, why: str, audit: bool) -> None:
+        """A sync hold taken out of the registry: its row, the release, the graph."""
         if audit:  # first: the row precedes whatever the next holder does
             with contextlib.suppress(Exception):
                 held.store.audit(held.entry(why))
@@ -283,34 +286,54 @@ class Holds:
     async def _aend(self, held: Held, why: str, *, remember: bool = True,
                     audit: bool = True) -> None:
         if self._take_out(held, why, remember):
-            await self._afree(held, why, audit)
+            await finish(self._afree(held, why, audit))  # to its end, whatever is cancelled
 
     async def _afree(self, held: Held, why: str, audit: bool) -> None:
         """An async hold taken out of the registry: its row, the release, the graph."""
         if audit:  # first: the row precedes whatever the next holder does
             with contextlib.suppress(Exception):
-                await finish(held.store.audit(held.entry(why)))
+                await held.store.audit(held.entry(why))
         try:
-            await finish(held.lease.arelease())
+            await held.lease.arelease()
         except Exception as error:
             log.warning("could not release a hold on %s: %s", sorted(held.keys), error)
         board = held.board
         try:
             if isinstance(board, AsyncBoard):
-                await finish(board.freed(held.caller, held.keys))
+                await board.freed(held.caller, held.keys)
         except Exception as error:
             log.warning("could not remove a hold from the wait-for graph: %s", error)
 
     async def arelease(self, caller: str | None, why: str = "released") -> int:
-        """The asyncio twin of ``release`` (sync leases are released in a thread)."""
-        ended = 0
-        for held in self.holding(caller):
-            if held.loop is None:
-                await asyncio.to_thread(self._end, held, why)
-            else:
-                await self._aend(held, why)
-            ended += 1
-        return ended
+        """The asyncio twin of ``release`` (sync leases are released in a thread); taken out of
+        the registry at once, then freed to the end whatever is cancelled meanwhile."""
+        mine = [h for h in self.holding(caller) if self._take_out(h, why, remember=True)]
+
+        async def free_all() -> None:
+            for held in mine:
+                if held.loop is None:
+                    await asyncio.to_thread(self._free, held, why, True)
+                else:
+                    await self._afree(held, why, True)
+
+        if mine:
+            await finish(free_all())
+        return len(mine)
+
+    def taken_by(self, prepared: Prepared | None) -> list[Held]:
+        """The holds the call ``prepared`` took (a cancelled call gives them back)."""
+        if prepared is None or not prepared.rule.hold or prepared.caller is None:
+            return []
+        return [h for h in self.holding(prepared.caller) if h.prepared is prepared]
+
+    def drop(self, prepared: Prepared | None) -> None:
+        """A hold read was cancelled or interrupted after taking its hold: end it."""
+        for held in self.taken_by(prepared):
+            self._end(held, "the read was cancelled", remember=False)
+
+    async def adrop(self, prepared: Prepared | None) -> None:
+        for held in self.taken_by(prepared):
+            await self._aend(held, "the read was cancelled", remember=False)
 
     # --- acquiring, with deadlock detection ----------------------------------------------
 
