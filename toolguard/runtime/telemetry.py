@@ -114,6 +114,7 @@ METRIC_LEASES_LOST = "toolguard.leases.lost"
 METRIC_REPLAYS = "toolguard.replays"
 METRIC_ORDER_WAITS = "toolguard.order.waits"
 METRIC_ORDER_WAIT = "toolguard.order.wait.duration"
+METRIC_HOLD = "toolguard.hold.duration"
 #: Every instrument: name -> (kind, unit, description).
 METRICS: Mapping[str, tuple[str, str, str]] = {
     METRIC_DECISIONS: ("counter", "{decision}",
@@ -128,6 +129,8 @@ METRICS: Mapping[str, tuple[str, str, str]] = {
     METRIC_ORDER_WAITS: ("counter", "{wait}",
                          "Calls that waited for an earlier tool of an after: rule"),
     METRIC_ORDER_WAIT: ("histogram", "s", "Time an after: rule kept a call waiting"),
+    METRIC_HOLD: ("histogram", "s", "Time a hold: true read kept its lock for its caller, by "
+                                    "how the hold ended"),
 }
 #: Histogram buckets in seconds: lock hand-offs take milliseconds, a contended wait seconds.
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -200,6 +203,7 @@ class _Instruments:
     replays: Counter
     order_waits: Counter
     order_wait: Histogram
+    hold: Histogram
 
     @classmethod
     def of(cls, provider: MeterProvider) -> _Instruments:
@@ -216,7 +220,7 @@ class _Instruments:
                     explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         return cls(made[METRIC_DECISIONS], made[METRIC_LOCK_WAIT], made[METRIC_LOCK_HOLD],
                    made[METRIC_STALE_TOKENS], made[METRIC_LEASES_LOST], made[METRIC_REPLAYS],
-                   made[METRIC_ORDER_WAITS], made[METRIC_ORDER_WAIT])
+                   made[METRIC_ORDER_WAITS], made[METRIC_ORDER_WAIT], made[METRIC_HOLD])
 
 
 def _instruments() -> _Instruments | None:
@@ -660,6 +664,16 @@ def lease_lost(reason: str) -> None:
     instruments = _instruments()
     if instruments is not None:
         instruments.leases_lost.add(1, {REASON: reason})
+
+
+def hold_ended(seconds: float, tool: str, reason: str) -> None:
+    """Record how long a hold lasted; ``reason`` is how it ended (a bounded set: ``written``,
+    ``released``, ``max_hold_s``, ``hold_deadlock``, ``lease_lost``, ``cancelled``)."""
+    if _trace is None:
+        return
+    instruments = _instruments()
+    if instruments is not None:
+        instruments.hold.record(seconds, {GEN_AI_TOOL_NAME: tool, REASON: reason})
 
 
 def _sorted_tokens(tokens: Iterable[tuple[str, int]]) -> list[int]:

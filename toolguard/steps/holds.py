@@ -43,6 +43,7 @@ from toolguard.call.intent import Intent
 from toolguard.errors import HoldDeadlock, HoldLost, LockLost, LockTimeout
 from toolguard.locks import AsyncLockManager, Lease, LockManager
 from toolguard.locks.lease import RENEW_FRACTION
+from toolguard.runtime import telemetry
 from toolguard.runtime.cancellation import finish
 from toolguard.steps.prepared import Prepared
 from toolguard.store.base import AuditEntry
@@ -91,6 +92,7 @@ class Held:
     store: Any
     loop: asyncio.AbstractEventLoop | None = None
     ended: str | None = None
+    started: float = field(default_factory=time.monotonic)
 
     def entry(self, why: str) -> AuditEntry:
         record = self.prepared.record
@@ -190,6 +192,7 @@ class Holds:
                 mine.remove(held)
             if not mine:
                 self._by_caller.pop(held.caller, None)
+            _measure(held, why)
             if remember:
                 now = time.monotonic()
                 for key in held.keys:
@@ -558,3 +561,21 @@ def _running(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+#: How a hold ended, as the hold-duration metric names it (a bounded set), by the start of why.
+_ENDS = (("written", "written"), ("released", "released"), ("the agent's turn", "released"),
+         ("max_hold_s", "max_hold_s"), ("hold_deadlock", "hold_deadlock"),
+         ("its lease was lost", "lease_lost"), ("the read was cancelled", "cancelled"))
+
+
+def _measure(held: Held, why: str) -> None:
+    """The hold's duration, by how it ended (a read that failed took no hold: not counted)."""
+    kind = next((kind for start, kind in _ENDS if why.startswith(start)), None)
+    if kind is None:
+        return
+    try:
+        telemetry.hold_ended(time.monotonic() - held.started, held.prepared.rule.name or "_OTHER",
+                             kind)
+    except Exception:  # metrics never stop a hold from ending
+        log.exception("could not record a hold's duration")
