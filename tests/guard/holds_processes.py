@@ -56,3 +56,14 @@ def transfers(backend: Backend, policy: dict[str, Any], name: str, first: str, s
         raise
     finally:
         h.close()
+
+
+def hold_and_die(backend: Backend, policy: dict[str, Any], ready: Any) -> None:
+    """Take a hold, say so, and die without releasing anything (a crashed agent process)."""
+    import os
+
+    h = _opened(backend, policy)
+    agent = Agent(h, "doomed", "t-d")
+    agent.read("acct")
+    ready.set()
+    os._exit(0)

@@ -333,3 +333,47 @@ def test_a_write_after_the_held_lease_was_lost_is_refused(harness: Any) -> None:
     assert len(ended) == 1 and "lease was lost" in (ended[0].detail or "")
     assert alice.read("acct") == 100 and alice.call("set_balance", account_id="acct",
                                                      balance=101).ok
+
+
+def test_a_paused_holder_cannot_write_after_its_hold_expired(harness: Any) -> None:
+    """A holder stopped past its lease (no renewals): the next caller gets the key when the
+    TTL runs out and writes; the zombie's late write is refused, nothing of it applied."""
+    from toolguard.locks.lease import heartbeat
+
+    h: Harness = harness(_policy(ttl_ms=400))
+    bank = Bank(h)
+    bank.open({"acct": 100})
+    zombie, other = Agent(h, "zombie", "t-z"), Agent(h, "other", "t-o")
+    seen = zombie.read("acct")
+    (held,) = h.guard.holds.holding(h.guard.caller("zombie", "t-z"))
+    heartbeat().remove(held.lease)  # the process is paused: nothing renews its lease
+    assert other.read("acct") == 100  # waits for the TTL, then holds the key itself
+    assert other.call("set_balance", account_id="acct", balance=150).ok
+    late = zombie.call("set_balance", account_id="acct", balance=seen + 1)
+    assert late.kind == "rejected" and late.reason in ("hold_lost", "lease_lost",
+                                                       "stale_fencing_token"), late
+    assert bank.balances("acct") == {"acct": 150}
+
+
+def test_a_killed_holders_hold_expires_with_its_ttl(backend: Any) -> None:
+    import multiprocessing
+
+    from guard import holds_processes
+
+    policy = _policy(ttl_ms=500)
+    h = Harness(backend, policy)
+    try:
+        Bank(h).open({"acct": 100})
+        spawn = multiprocessing.get_context("spawn")
+        ready = spawn.Event()
+        doomed = spawn.Process(target=holds_processes.hold_and_die, args=(backend, policy, ready))
+        doomed.start()
+        assert ready.wait(60)
+        doomed.join(30)
+        survivor = Agent(h, "survivor", "t-s")
+        assert survivor.read("acct") == 100  # the dead process's hold lapsed with its TTL
+        assert survivor.call("set_balance", account_id="acct", balance=101).ok
+        assert Bank(h).balances("acct") == {"acct": 101}
+        assert h.sql("SELECT caller FROM toolguard_hold") == []
+    finally:
+        h.close()
