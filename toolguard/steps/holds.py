@@ -142,6 +142,9 @@ class Joined:
         for part in self.parts:
             part.check()
 
+    def remaining_s(self) -> float:
+        return min(p.remaining_s() for p in self.parts)
+
 
 @dataclass
 class WriteLeases:
@@ -224,6 +227,9 @@ class Holds:
         while True:
             with self._cond:
                 now = time.monotonic()
+                if not self._by_caller:  # nothing held: the next hold starts a new reaper
+                    self._reaper = None
+                    return
                 due = [h for hs in self._by_caller.values() for h in hs if h.deadline <= now]
                 if not due:
                     nxt = min((h.deadline for hs in self._by_caller.values() for h in hs),
