@@ -115,6 +115,8 @@ PINNED: dict[str, tuple[DecisionKind, str]] = {
                                                      "details are in toolguard's audit log.")),
     # outcomes: applied, answered from the record, not known yet
     "applied": ("accepted", C.format(reason="applied", text="the call was applied.")),
+    "hold_ended": ("accepted", C.format(reason="hold_ended",
+                                        text="the hold on the record ended.")),
     "duplicate": ("replayed", C.format(
         reason="duplicate", text="this call had already been applied; the result recorded then "
         "is returned and nothing ran again.")),

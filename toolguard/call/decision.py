@@ -108,6 +108,7 @@ MODEL_TEXTS: Mapping[str, str] = {
                  "known yet. Send the same call again: it is applied at most once.",
     "applied": "the call was applied.",
     "read": "the call was read.",
+    "hold_ended": "the hold on the record ended.",  # an audit row's, never a model's answer
     "duplicate": "this call had already been applied; the result recorded then is returned and "
                  "nothing ran again.",
 }
