@@ -377,3 +377,22 @@ def test_a_killed_holders_hold_expires_with_its_ttl(backend: Any) -> None:
         assert h.sql("SELECT caller FROM toolguard_hold") == []
     finally:
         h.close()
+
+
+def test_max_hold_s_ends_an_asyncio_hold_on_its_loop(harness: Any) -> None:
+    h: Harness = harness(_policy(max_hold_s=0.3))
+    Bank(h).open({"acct": 100})
+    hung, other = Agent(h, "hung", "t-h"), Agent(h, "other", "t-o")
+
+    async def main() -> tuple[Any, ...]:
+        async with h.async_edges():
+            seen = (await hung.acall("get_balance", account_id="acct")).result
+            waited = (await other.acall("get_balance", account_id="acct")).result
+            wrote = await other.acall("set_balance", account_id="acct", balance=120)
+            late = await hung.acall("set_balance", account_id="acct", balance=seen + 1)
+            return waited, wrote.ok, late.reason
+
+    assert asyncio.run(main()) == (100, True, "hold_lost")
+    assert Bank(h).balances("acct") == {"acct": 120}
+    ended = h.audit(reason="hold_ended")
+    assert [r.agent for r in ended] == ["hung"] and "max_hold_s" in (ended[0].detail or "")

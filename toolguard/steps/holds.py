@@ -238,14 +238,15 @@ class Holds:
                     continue
             for held in due:
                 why = f"max_hold_s ({held.prepared.rule.max_hold_s:g} s) passed"
-                if held.loop is None:
-                    self._end(held, why)
+                if not self._take_out(held, why, remember=True):
                     continue
-                try:
-                    asyncio.run_coroutine_threadsafe(self._aend(held, why), held.loop)
+                if held.loop is None:
+                    self._free(held, why, True)
+                    continue
+                try:  # an asyncio lease is released on its own loop
+                    asyncio.run_coroutine_threadsafe(self._afree(held, why, True), held.loop)
                 except RuntimeError:  # its loop is closed: stop renewing, let the TTL end it
-                    if self._take_out(held, why, remember=True):
-                        held.lease.mark_lost(LockLost(f"hold ended: {why}", keys=held.lease.keys))
+                    held.lease.mark_lost(LockLost(f"hold ended: {why}", keys=held.lease.keys))
 
     # --- ending (sync) ------------------------------------------------------------------
 
