@@ -382,7 +382,8 @@ class ToolGuard:
         body = Body(intent, prepared, call)
         held = self.holds.write(locks, store, prepared)  # under its caller's holds, if any
         try:
-            outcome = run_fenced(locks, store, prepared.keys, body.sync(execute),
+            work = body.sync(execute) if held is None else held.sync(body.sync(execute))
+            outcome = run_fenced(locks, store, prepared.keys, work,
                                  intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
                                  timeout_s=prepared.rule.wait_timeout_s,
                                  reads=read_check(state.policy, prepared,
@@ -534,7 +535,9 @@ class ToolGuard:
         held = await self.holds.awrite(locks, store, prepared)
         outcome = None
         try:
-            outcome = await arun_fenced(locks, store, prepared.keys, body.asynchronous(execute),
+            awork = body.asynchronous(execute)
+            outcome = await arun_fenced(locks, store, prepared.keys,
+                                        awork if held is None else held.asynchronous(awork),
                                         intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
                                         timeout_s=prepared.rule.wait_timeout_s,
                                         reads=read_check(state.policy, prepared,

@@ -55,8 +55,16 @@ class Spy:
 
 
 def _in_thread(name: str, work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Run ``work`` in a thread; ``out`` gets its result, or the error it raised."""
     out: list[Any] = []
-    thread = threading.Thread(target=lambda: out.append(work()), name=name, daemon=True)
+
+    def run() -> None:
+        try:
+            out.append(work())
+        except BaseException as error:
+            out.append(error)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread, out
 
@@ -107,6 +115,8 @@ def test_two_depositors_with_holds_end_exact_without_a_stale_read(harness: Any) 
     assert _holds_rows(h) == []
     detail = h.audit(intent_id=alice.decisions[0].intent.call_id)[0].detail or ""
     assert "hold taken" in detail and f"token {token}" in detail
+    (row,) = h.audit(intent_id=written.intent.call_id)
+    assert f"held since call {alice.decisions[0].intent.call_id}" in (row.detail or "")
 
 
 def _transfer_both(agent: Agent, first: str, second: str, both_hold: threading.Barrier | None,
@@ -138,6 +148,9 @@ def _deadlock_round(h: Harness, tag: str) -> None:
     ta.join(20)
     tb.join(20)
     assert out_a and out_b, "a deadlock was not broken"
+    for out in (out_a, out_b):
+        if isinstance(out[0], BaseException):
+            raise out[0]
     _check_deadlock_round(h, [alice, bob], out_a[0] + out_b[0])
 
 

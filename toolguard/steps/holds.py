@@ -154,6 +154,36 @@ class WriteLeases:
     holds: list[Held] = field(default_factory=list)
     fresh: Lease | None = None
 
+    def note(self) -> str:
+        """What the write's audit row says of the holds it ran under (for the operator)."""
+        taken = "; ".join(f"{', '.join(sorted(h.keys))} held since call "
+                          f"{h.prepared.record.intent_id}" for h in self.holds)
+        return f"under the caller's hold ({taken}), which ends with this write"
+
+    def sync(self, body: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``body`` noting the holds on the write's row (the row of its commit)."""
+        if not self.holds:
+            return body
+
+        def run(tx: Any) -> Any:
+            value = body(tx)
+            tx.detail = f"{tx.detail}; {self.note()}" if tx.detail else self.note()
+            return value
+
+        return run
+
+    def asynchronous(self, body: Callable[[Any], Awaitable[Any]]
+                     ) -> Callable[[Any], Awaitable[Any]]:
+        if not self.holds:
+            return body
+
+        async def run(tx: Any) -> Any:
+            value = await body(tx)
+            tx.detail = f"{tx.detail}; {self.note()}" if tx.detail else self.note()
+            return value
+
+        return run
+
 
 class Holds:
     """The holds of one guard, by caller; ended holds remembered to refuse a late write."""
