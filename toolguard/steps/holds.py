@@ -273,9 +273,11 @@ class Holds:
                 if held.loop is None:
                     self._free(held, why, True)
                     continue
+                freeing = self._afree(held, why, True)
                 try:  # an asyncio lease is released on its own loop
-                    asyncio.run_coroutine_threadsafe(self._afree(held, why, True), held.loop)
+                    asyncio.run_coroutine_threadsafe(freeing, held.loop)
                 except RuntimeError:  # its loop is closed: stop renewing, let the TTL end it
+                    freeing.close()
                     held.lease.mark_lost(LockLost(f"hold ended: {why}", keys=held.lease.keys))
 
     # --- ending (sync) ------------------------------------------------------------------
@@ -311,11 +313,20 @@ class Holds:
                 if self._take_out(held, why, remember=True):
                     held.loop.create_task(self._afree(held, why, True))
             elif held.loop is not None:
+                if not self._take_out(held, why, remember=True):
+                    continue
+                freeing = self._afree(held, why, True)
                 try:
-                    asyncio.run_coroutine_threadsafe(self._aend(held, why), held.loop).result(30)
-                except Exception:
-                    if self._take_out(held, why, remember=True):
-                        held.lease.mark_lost(LockLost(f"hold ended: {why}", keys=held.lease.keys))
+                    future = asyncio.run_coroutine_threadsafe(freeing, held.loop)
+                except RuntimeError:  # its loop is closed: stop renewing, the TTL ends it
+                    freeing.close()
+                    held.lease.mark_lost(LockLost(f"hold ended: {why}", keys=held.lease.keys))
+                else:
+                    try:
+                        future.result(30)
+                    except Exception:  # its loop is stuck: stop renewing, the TTL ends it
+                        held.lease.mark_lost(LockLost(f"hold ended: {why}",
+                                                      keys=held.lease.keys))
             else:
                 self._end(held, why)
             ended += 1
