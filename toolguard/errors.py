@@ -24,6 +24,8 @@ __all__ = [
     "ConfigurationError",
     "DuplicateIntent",
     "GuardMisconfigured",
+    "HoldDeadlock",
+    "HoldLost",
     "IdempotencyConflict",
     "InFlightLimited",
     "IntentRejected",
@@ -130,6 +132,19 @@ class NotOwned(LockLost):
     """The server says the lock belongs to someone else (or to no one)."""
 
     reason = "not_owned"
+
+
+class HoldLost(LockError):
+    """A write on a key its caller held (``hold: true``) after that hold ended: not applied."""
+
+    reason = "hold_lost"
+
+
+class HoldDeadlock(LockError):
+    """This caller waited in a cycle of holds and was the youngest in it: it yields (its wait
+    ends, every hold it has is released). Not PostgreSQL's ``deadlock`` (a transaction ended)."""
+
+    reason = "hold_deadlock"
 
 
 # --- store ---------------------------------------------------------------------

@@ -61,6 +61,7 @@ from toolguard.runtime.cancellation import finish
 from toolguard.steps.approval import Interrupt, aapprove, approve, is_pending
 from toolguard.steps.controls import Controls
 from toolguard.steps.execute import Body, context_of
+from toolguard.steps.holds import Holds, caller_for
 from toolguard.steps.order import await_order, wait_for_order
 from toolguard.steps.pause import acheck_pause, check_pause
 from toolguard.steps.prepared import Prepared, accepted, unknown, unvalidated_unknown
@@ -168,6 +169,8 @@ class ToolGuard:
         self._schema = SchemaCheck()
         #: Writes each policy version's text to the store once, before its first decision.
         self._versions = PolicyRecorder()
+        #: Locks kept by ``hold: true`` reads for their callers (``toolguard.steps.holds``).
+        self.holds = Holds()
         self.controls = Controls.build(
             self._policy, store=store, async_store=async_store, quotas=quotas,
             async_quotas=async_quotas, pauses=pauses, pause_cache_s=pause_cache_s,
@@ -246,6 +249,21 @@ class ToolGuard:
     def has_schema(self, name: str) -> bool:
         return name in self._models
 
+    # --- holds -------------------------------------------------------------------------
+
+    @staticmethod
+    def caller(agent: str, thread: str | None = None) -> str | None:
+        """The caller (``agent`` in conversation ``thread``) whose reads and holds are one."""
+        return caller_for(agent, thread)
+
+    def release_holds(self, caller: str | None) -> int:
+        """End every hold ``caller`` keeps (``hold: true`` reads); the number ended."""
+        return self.holds.release(caller)
+
+    async def arelease_holds(self, caller: str | None) -> int:
+        """The asyncio twin of ``release_holds``."""
+        return await self.holds.arelease(caller)
+
     def _refusal(self, state: _Call, error: Exception) -> Decision:
         prepared = state.prepared
         if prepared is None:
@@ -318,6 +336,7 @@ class ToolGuard:
                     call.decided(self._refusal(state, _pending()))
                     raise
                 if is_control_flow(error):
+                    self.holds.drop(state.prepared)  # a cancelled read keeps no hold
                     self._record_unknown(state, error, call)
                     raise
                 if not isinstance(error, Exception):
@@ -349,6 +368,10 @@ class ToolGuard:
         intent = state.intent
         wait_for_order(store, prepared, call)
         if prepared.reads:  # its row is written with its observation, in the read's transaction
+            if prepared.rule.hold:
+                return call.decided(self.holds.read(
+                    locks, store, prepared,
+                    lambda note: read(store, intent, prepared, execute, call, note)))
             return call.decided(read(store, intent, prepared, execute, call))
         if not prepared.keys:
             with bind(context_of(intent, prepared, None)) as ctx, call.step(telemetry.SPAN_TOOL):
@@ -357,10 +380,17 @@ class ToolGuard:
             self._audit(decision, state, call)
             return decision
         body = Body(intent, prepared, call)
-        outcome = run_fenced(locks, store, prepared.keys, body.sync(execute),
-                             intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
-                             timeout_s=prepared.rule.wait_timeout_s,
-                             reads=read_check(state.policy, prepared, state.enforcement.shadow))
+        held = self.holds.write(locks, store, prepared)  # under its caller's holds, if any
+        try:
+            work = body.sync(execute) if held is None else held.sync(body.sync(execute))
+            outcome = run_fenced(locks, store, prepared.keys, work,
+                                 intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
+                                 timeout_s=prepared.rule.wait_timeout_s,
+                                 reads=read_check(state.policy, prepared,
+                                                  state.enforcement.shadow),
+                                 held=held.lease if held is not None else None)
+        finally:
+            self.holds.written(held)
         decision = call.decided(body.decision(outcome))
         if body.would_refuse is not None:
             self._audit_entry(shadow_row(state.entry(decision), body.would_refuse), call)
@@ -453,6 +483,8 @@ class ToolGuard:
                 if is_control_flow(error):
                     if state.decided:  # cancelled after its row was written: that row stands
                         mark_audited(error)
+                    if self.holds.taken_by(state.prepared):  # a cancelled read keeps no hold
+                        await finish(self.holds.adrop(state.prepared))
                     await finish(self._arecord_unknown(state, error, call))
                     raise
                 if not isinstance(error, Exception):
@@ -485,7 +517,12 @@ class ToolGuard:
         intent = state.intent
         await await_order(store, prepared, call)
         if prepared.reads:  # its row is written with its observation, in the read's transaction
-            decision = call.decided(await aread(store, intent, prepared, execute, call))
+            if prepared.rule.hold:
+                decision = call.decided(await self.holds.aread(
+                    locks, store, prepared,
+                    lambda note: aread(store, intent, prepared, execute, call, note)))
+            else:
+                decision = call.decided(await aread(store, intent, prepared, execute, call))
             state.decided = True
             return decision
         if not prepared.keys:
@@ -495,11 +532,26 @@ class ToolGuard:
             await self._aaudit(decision, state, call)
             return decision
         body = Body(intent, prepared, call)
-        outcome = await arun_fenced(locks, store, prepared.keys, body.asynchronous(execute),
-                                    intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
-                                    timeout_s=prepared.rule.wait_timeout_s,
-                                    reads=read_check(state.policy, prepared,
-                                                     state.enforcement.shadow))
+        held = await self.holds.awrite(locks, store, prepared)
+        outcome = None
+        try:
+            awork = body.asynchronous(execute)
+            outcome = await arun_fenced(locks, store, prepared.keys,
+                                        awork if held is None else held.asynchronous(awork),
+                                        intent=prepared.record, ttl_ms=prepared.rule.ttl_ms,
+                                        timeout_s=prepared.rule.wait_timeout_s,
+                                        reads=read_check(state.policy, prepared,
+                                                         state.enforcement.shadow),
+                                        held=held.lease if held is not None else None)
+        finally:
+            if held is not None:
+                try:
+                    await finish(self.holds.awritten(held))
+                except asyncio.CancelledError as cancelled:
+                    if outcome is not None:  # committed: its row stands
+                        state.decided = True
+                        mark_audited(cancelled)
+                    raise
         decision = call.decided(body.decision(outcome))
         if body.would_refuse is not None:
             state.decided = True  # the call's own row is written (the commit wrote it)

@@ -54,3 +54,33 @@ def test_a_write_on_a_stale_read_through_the_gateway(tmp_path: Path) -> None:
                        ("set_counter", "unread"), ("set_counter", "applied"),
                        ("set_counter", "stale_read"), ("read_counter", "read"),
                        ("set_counter", "applied")]
+
+
+def test_a_hold_lasts_across_gateway_calls_until_the_write(tmp_path: Path) -> None:
+    """``hold: true`` through the gateway: the conversation that read holds the counter across
+    MCP calls (another conversation's read waits, here past its 1 s wait: ``lock_timeout``);
+    its write runs under the hold and ends it."""
+    args = toolguard("mcp", "proxy", "--policy", str(HERE / "holds_policy.yml"), "--agent",
+                     "alice", "--", *UPSTREAM)
+    one, two = {"toolguard/thread": "t-1"}, {"toolguard/thread": "t-2"}
+
+    async def run() -> list[object]:
+        async with stdio_session(args, tmp_path, clean_env(tmp_path)) as session:
+            async def call(tool: str, arguments: dict, meta: dict | None) -> object:
+                result = await session.call_tool(tool, arguments, meta=meta)
+                reason = dict(result.meta or {}).get("toolguard/reason")
+                return ("error", reason) if result.is_error else result.structured_content
+
+            return [await call("read_counter", {"counter": "c"}, one),
+                    await call("read_counter", {"counter": "c"}, two),  # t-1 holds it
+                    await call("set_counter", {"counter": "c", "value": 5}, one),
+                    await call("read_counter", {"counter": "c"}, two),
+                    await call("set_counter", {"counter": "c", "value": 6}, two)]
+
+    got = asyncio.run(run())
+    assert got[0] == {"result": 0}
+    assert got[1] == ("error", "lock_timeout")
+    assert got[3] == {"result": 5}
+    assert not isinstance(got[2], tuple) and not isinstance(got[4], tuple), got
+    assert upstream_calls(tmp_path, "set_counter") == [("set_counter", "c:5"),
+                                                      ("set_counter", "c:6")]

@@ -31,9 +31,11 @@ EXPECTED_MIGRATIONS = {"postgresql": [(1, "001_initial"), (2, "002_fast_path"),
                                       (3, "003_stale_blockers_exact_results"), (4, "004_controls"),
                                       (5, "005_tamper_evident_audit"), (6, "006_replay_keeps_intent"),
                                       (7, "007_policy_versions"), (8, "008_hot_path"),
-                                      (9, "009_one_finish"), (10, "010_reads")],
+                                      (9, "009_one_finish"), (10, "010_reads"),
+                                      (11, "011_holds")],
                        "sqlite": [(1, "001_initial"), (2, "002_controls"), (3, "003_tamper_evident_audit"),
-                                  (4, "004_policy_versions"), (5, "005_reads")]}
+                                  (4, "004_policy_versions"), (5, "005_reads"),
+                                  (6, "006_holds")]}
 
 
 def test_install_is_idempotent_and_versioned(env: StoreEnv) -> None:

@@ -342,3 +342,20 @@ def test_a_regressed_lock_server_is_one_call_with_two_attempts_and_a_reseeded_st
     assert first.attributes["error.type"] == "stale_fencing_token"
     assert "error.type" not in second.attributes
     assert list(call.attributes["toolguard.fencing_tokens"]) == [decision.tokens["lead:r"]]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_hold_durations_by_how_each_hold_ended(harness: HarnessFactory, otel: Recorder) -> None:
+    """``toolguard.hold.duration``: one sample per hold, by how it ended; a deadlock is a
+    decision (``toolguard.decisions`` with reason ``hold_deadlock``) like any refusal."""
+    from guard.reads_world import Agent, Bank
+    from guard.test_holds import HELD
+
+    h = harness(HELD)
+    Bank(h).open({"acct": 100})
+    alice, bob = Agent(h, "alice", "t-a"), Agent(h, "bob", "t-b")
+    assert alice.call("set_balance", account_id="acct", balance=alice.read("acct") + 1).ok
+    bob.read("acct")
+    assert h.guard.release_holds(h.guard.caller("bob", "t-b")) == 1
+    assert otel.counts("toolguard.hold.duration", "gen_ai.tool.name", "toolguard.reason") == {
+        ("get_balance", "written"): 1, ("get_balance", "released"): 1}

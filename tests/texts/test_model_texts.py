@@ -92,6 +92,14 @@ PINNED: dict[str, tuple[DecisionKind, str]] = {
         "used; nothing was run. Tell the user.")),
     "lease_lost": ("rejected", R.format(reason="lease_lost", text=LEASE)),
     "not_owned": ("rejected", R.format(reason="not_owned", text=LEASE)),
+    "hold_lost": ("rejected", R.format(
+        reason="hold_lost", text="this call's hold on the record ended before it wrote (it was "
+        "held too long, the turn ended, or another agent needed it); nothing was written. Read "
+        "the record again, decide again from what it says now, then send the new call.")),
+    "hold_deadlock": ("rejected", R.format(
+        reason="hold_deadlock", text="another agent needs a record you were holding while you "
+        "waited for one it holds; your holds were released and nothing was written. Read the "
+        "records again, decide again, then send the new call.")),
     "stale_fencing_token": ("rejected", R.format(
         reason="stale_fencing_token", text="another call on this resource wrote first; nothing "
         "was written. Read the resource again before retrying.")),
@@ -115,6 +123,8 @@ PINNED: dict[str, tuple[DecisionKind, str]] = {
                                                      "details are in toolguard's audit log.")),
     # outcomes: applied, answered from the record, not known yet
     "applied": ("accepted", C.format(reason="applied", text="the call was applied.")),
+    "hold_ended": ("accepted", C.format(reason="hold_ended",
+                                        text="the hold on the record ended.")),
     "duplicate": ("replayed", C.format(
         reason="duplicate", text="this call had already been applied; the result recorded then "
         "is returned and nothing ran again.")),

@@ -41,6 +41,7 @@ from toolguard.adapters._tools import (
     model_schema,
     runs_sync,
 )
+from toolguard.adapters._turns import Turns
 from toolguard.adapters._worker import has_sync_edges, in_worker, worker_execute
 from toolguard.adapters.identity import (
     AgentFrom,
@@ -96,6 +97,8 @@ class GuardedToolCalls:
         self._agent = agent if callable(agent) else (lambda _r: agent) \
             if agent is not None else agent_from_metadata
         self._injected = InjectedKeys()
+        #: Told of every intent before it runs (``ToolGuardMiddleware`` notes hold readers).
+        self.seen: Callable[[Intent], None] | None = None
         if tools is not None:
             tools = [as_tool(tool) for tool in tools]
             check_tools(guard, tools, type(self).__name__)
@@ -113,8 +116,11 @@ class GuardedToolCalls:
             self._register(tool)
             args = model_arguments(args, self._injected.of(tool))
         runtime = request.runtime
-        return intent_from_call({**call, "args": args}, agent=self._agent(request),
-                                runtime=runtime, config=getattr(runtime, "config", None))
+        intent = intent_from_call({**call, "args": args}, agent=self._agent(request),
+                                  runtime=runtime, config=getattr(runtime, "config", None))
+        if self.seen is not None:
+            self.seen(intent)
+        return intent
 
     def wrap_tool_call(self, request: ToolCallRequest,
                        execute: Callable[[ToolCallRequest], Output]) -> Output:
@@ -202,7 +208,8 @@ class ToolGuardMiddleware(AgentMiddleware):
     raises ``GuardMisconfigured``. The first middleware
     listed is the outermost: list toolguard last among the tool-call
     middlewares (after human approval and tool retry), so it sits directly
-    around the tool's execution.
+    around the tool's execution. When the agent's run ends, the holds its
+    ``hold: true`` reads took and kept end too (``after_agent``).
     """
 
     def __init__(self, guard: ToolGuard, *, agent: str | AgentResolver | None = None,
@@ -215,6 +222,8 @@ class ToolGuardMiddleware(AgentMiddleware):
             check_tools(guard, known, type(self).__name__)
         self.calls = GuardedToolCalls(guard, agent=agent, agent_from=agent_from,
                                       metadata=metadata, tools=known)
+        self._turns = Turns()
+        self.calls.seen = lambda intent: self._turns.note(intent, guard.policy)
 
     def wrap_tool_call(self, request: ToolCallRequest,
                        handler: Callable[[ToolCallRequest], Output]) -> Output:
@@ -223,3 +232,14 @@ class ToolGuardMiddleware(AgentMiddleware):
     async def awrap_tool_call(self, request: ToolCallRequest,
                               handler: Callable[[ToolCallRequest], Awaitable[Output]]) -> Output:
         return await self.calls.awrap_tool_call(request, handler)
+
+    def after_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """The run ended: the holds its callers kept end now (others stop waiting)."""
+        for caller in self._turns.ended(runtime):
+            self.calls.guard.holds.release(caller, "the agent's turn ended")
+        return None
+
+    async def aafter_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        for caller in self._turns.ended(runtime):
+            await self.calls.guard.holds.arelease(caller, "the agent's turn ended")
+        return None

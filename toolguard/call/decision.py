@@ -90,6 +90,12 @@ MODEL_TEXTS: Mapping[str, str] = {
                   "new call.",
     "unread": "this call writes a record without a current read of it; nothing was written. "
               "Read the record first, decide from what it says, then send the call.",
+    "hold_lost": "this call's hold on the record ended before it wrote (it was held too long, "
+                 "the turn ended, or another agent needed it); nothing was written. Read the "
+                 "record again, decide again from what it says now, then send the new call.",
+    "hold_deadlock": "another agent needs a record you were holding while you waited for one "
+                     "it holds; your holds were released and nothing was written. Read the "
+                     "records again, decide again, then send the new call.",
     "stale_fencing_token": "another call on this resource wrote first; nothing was written. "
                            "Read the resource again before retrying.",
     "idempotency_conflict": "this tool-call id was already used with other arguments; "
@@ -102,6 +108,7 @@ MODEL_TEXTS: Mapping[str, str] = {
                  "known yet. Send the same call again: it is applied at most once.",
     "applied": "the call was applied.",
     "read": "the call was read.",
+    "hold_ended": "the hold on the record ended.",  # an audit row's, never a model's answer
     "duplicate": "this call had already been applied; the result recorded then is returned and "
                  "nothing ran again.",
 }

@@ -246,6 +246,9 @@ class ToolPolicy(BaseModel):
     decides_on: tuple[KeyTemplate, ...] = ()
     stale_reads: StaleReadMode = "refuse"
     read_ttl_s: PositiveFloat = 600.0
+    #: A read that takes its keys' lock and keeps it for its caller until it writes them.
+    hold: StrictBool = False
+    max_hold_s: PositiveFloat = 60.0
 
     _name: str = PrivateAttr(default="")
 
@@ -315,10 +318,11 @@ class Defaults(BaseModel):
     quotas: QuotaList = ()
     stale_reads: StaleReadMode = "refuse"
     read_ttl_s: PositiveFloat = 600.0
+    max_hold_s: PositiveFloat = 60.0
 
 
 _INHERITED = ("ttl_ms", "wait_timeout_s", "after_wait_s", "agents", "fenced", "idempotency_scope",
-              "mode", "stale_reads", "read_ttl_s")
+              "mode", "stale_reads", "read_ttl_s", "max_hold_s")
 
 
 class Policy(BaseModel):
@@ -498,6 +502,10 @@ def _read_problems(policy: Policy, name: str, tool: ToolPolicy) -> list[Problem]
         problems.append(policy.problem((*base, "reads"), (
             "a tool either reads (reads:) or writes (locks:): a write whose decision rests on "
             "other keys names them in decides_on:")))
+    if tool.hold and not tool.reads:
+        problems.append(policy.problem((*base, "hold"), (
+            "hold: true keeps the lock of the keys a tool reads; this tool reads nothing (add "
+            "reads: [...], or remove hold)")))
     if not tool.locks:
         for field, given in (("requires_read", tool.requires_read),
                              ("decides_on", bool(tool.decides_on))):

@@ -116,6 +116,7 @@ METRIC_REPLAYS = "toolguard.replays"
 METRIC_ORDER_WAITS = "toolguard.order.waits"
 METRIC_ORDER_WAIT = "toolguard.order.wait.duration"
 METRIC_DOOR_REFUSALS = "toolguard.gateway.refused_requests"
+METRIC_HOLD = "toolguard.hold.duration"
 #: Every instrument: name -> (kind, unit, description).
 METRICS: Mapping[str, tuple[str, str, str]] = {
     METRIC_DECISIONS: ("counter", "{decision}",
@@ -133,6 +134,8 @@ METRICS: Mapping[str, tuple[str, str, str]] = {
     METRIC_DOOR_REFUSALS: ("counter", "{request}",
                            "HTTP requests the gateway refused before MCP, by reason "
                            "(host, origin, credential)"),
+    METRIC_HOLD: ("histogram", "s", "Time a hold: true read kept its lock for its caller, by "
+                                    "how the hold ended"),
 }
 #: Histogram buckets in seconds: lock hand-offs take milliseconds, a contended wait seconds.
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -206,6 +209,7 @@ class _Instruments:
     order_waits: Counter
     order_wait: Histogram
     door_refusals: Counter
+    hold: Histogram
 
     @classmethod
     def of(cls, provider: MeterProvider) -> _Instruments:
@@ -223,7 +227,7 @@ class _Instruments:
         return cls(made[METRIC_DECISIONS], made[METRIC_LOCK_WAIT], made[METRIC_LOCK_HOLD],
                    made[METRIC_STALE_TOKENS], made[METRIC_LEASES_LOST], made[METRIC_REPLAYS],
                    made[METRIC_ORDER_WAITS], made[METRIC_ORDER_WAIT],
-                   made[METRIC_DOOR_REFUSALS])
+                   made[METRIC_DOOR_REFUSALS], made[METRIC_HOLD])
 
 
 def _instruments() -> _Instruments | None:
@@ -679,6 +683,19 @@ def door_refused(reason: str) -> None:
     instruments = _instruments()
     if instruments is not None:
         instruments.door_refusals.add(1, {REASON: reason})
+
+
+# --- holds (toolguard.steps.holds) --------------------------------------------------------------
+
+
+def hold_ended(seconds: float, tool: str, reason: str) -> None:
+    """Record how long a hold lasted; ``reason`` is how it ended (a bounded set: ``written``,
+    ``released``, ``max_hold_s``, ``hold_deadlock``, ``lease_lost``, ``cancelled``)."""
+    if _trace is None:
+        return
+    instruments = _instruments()
+    if instruments is not None:
+        instruments.hold.record(seconds, {GEN_AI_TOOL_NAME: tool, REASON: reason})
 
 
 def _sorted_tokens(tokens: Iterable[tuple[str, int]]) -> list[int]:

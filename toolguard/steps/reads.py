@@ -58,23 +58,28 @@ def read_check(policy: Policy, prepared: Prepared, shadowed: bool) -> ReadCheck 
 
 
 def read(store: GuardedStore, intent: Intent, prepared: Prepared,
-         execute: Callable[[CallContext], Any], call: telemetry.Call) -> Decision:
-    """Run a ``reads:`` tool in a read transaction; its observation commits with its row."""
+         execute: Callable[[CallContext], Any], call: telemetry.Call, note: str = "") -> Decision:
+    """Run a ``reads:`` tool in a read transaction; its observation commits with its row
+    (``note``: added to the row's detail, e.g. the hold the read took)."""
     assert prepared.caller is not None
     body = Body(intent, prepared, call)
     with store.read(prepared.reads, prepared.record, caller=prepared.caller) as tx:
         body.sync(execute)(tx)
+        if note:
+            tx.detail = (tx.detail or "") + note
     return body.decision(Outcome(tx.result, tokens={}))
 
 
 async def aread(store: AsyncGuardedStore, intent: Intent, prepared: Prepared,
                 execute: Callable[[CallContext], Awaitable[Any]],
-                call: telemetry.Call) -> Decision:
+                call: telemetry.Call, note: str = "") -> Decision:
     """The asyncio twin of ``read``."""
     assert prepared.caller is not None
     body = Body(intent, prepared, call)
     async with store.read(prepared.reads, prepared.record, caller=prepared.caller) as tx:
         await body.asynchronous(execute)(tx)
+        if note:
+            tx.detail = (tx.detail or "") + note
     return body.decision(Outcome(tx.result, tokens={}))
 
 

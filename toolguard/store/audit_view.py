@@ -43,10 +43,10 @@ def visible(text: str, *, lines: bool = False) -> str:
     return (_HIDDEN_INLINE if lines else _HIDDEN).sub(_escape_char, text)
 
 DECISIONS = ("accepted", "replayed", "rejected", "failed", "unknown", "pending", "shadow",
-             "operator")
+             "operator", "hold")
 DECISION_STYLE = {"accepted": "green", "replayed": "cyan", "rejected": "bold red",
                   "failed": "red", "unknown": "yellow", "pending": "magenta", "shadow": "blue",
-                  "operator": "bold"}
+                  "operator": "bold", "hold": "cyan"}
 #: One line per reason code, for people reading a refusal.
 REASONS = {
     "statement_timeout": "PostgreSQL's statement_timeout ended a statement; nothing was committed, "
@@ -68,6 +68,12 @@ REASONS = {
     "unknown_tool": "the tool is not in the policy (denied by default)",
     "invalid_arguments": "the arguments broke the tool's schema or a policy constraint",
     "lock_timeout": "the lock stayed busy past the wait timeout",
+    "hold_lost": "the caller's hold (hold: true) on the key had ended before this write; "
+                 "nothing was written",
+    "hold_deadlock": "this caller waited in a cycle of holds and was the youngest on it: its "
+                     "wait ended and its holds were released",
+    "hold_ended": "a hold (hold: true) ended otherwise than by its caller's write; the detail "
+                  "says why",
     "lease_lost": "the lease expired or was taken while the tool ran",
     "not_owned": "the lock server says another holder owns the lock",
     "idempotency_conflict": "the same idempotency key came with other arguments",

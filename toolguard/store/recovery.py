@@ -70,6 +70,7 @@ from toolguard.store.base import (
     IntentRecord,
     mark_audited,
 )
+from toolguard.store.flow import HeldLease
 from toolguard.store.reads import ReadCheck
 
 if TYPE_CHECKING:
@@ -264,8 +265,13 @@ async def areseed_if_regressed(locks: AsyncLockManager, store: AsyncGuardedStore
 def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str],
                body: Callable[[FencedTransaction], T], *, intent: IntentRecord | None = None,
                ttl_ms: int | None = None, timeout_s: float | None = None,
-               reseed_on_regression: bool = True, reads: ReadCheck | None = None) -> Outcome[Any]:
+               reseed_on_regression: bool = True, reads: ReadCheck | None = None,
+               held: HeldLease | None = None) -> Outcome[Any]:
     """Lock ``keys``, run ``body(tx)`` in one fenced transaction, release.
+
+    ``held``: a lease on ``keys`` the caller already holds (a hold kept across calls,
+    ``toolguard.steps.holds``): the write runs under it, with no acquisition, and the
+    caller releases it; a regressed lock server then ends the call (no retry).
 
     The body's return value is recorded as the intent's result (it must be
     JSON) unless the body called ``tx.record``. With an idempotency key, an
@@ -289,8 +295,14 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
             time.sleep(recovery.wait_s())
             reseed(locks, store, recovery.keys)
             _raise_floors(locks.raise_floor, recovery.floors)
-        lease = probe.acquire(lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s),
-                              ordered, attempt)
+        acquired: Lease | None = None
+        lease: HeldLease
+        if held is not None:
+            lease = held
+        else:
+            lease = acquired = probe.acquire(
+                lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s), ordered,
+                attempt)
         held_since = time.monotonic()
         try:
             with probe.transaction(lease, attempt), store.fenced(lease, intent, reads=reads) as tx:
@@ -303,14 +315,16 @@ def run_fenced(locks: LockManager, store: GuardedStore, keys: str | Iterable[str
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
         except StaleFencingToken as stale:
-            regressed = attempt == 1 and reseed_on_regression and _regressed(lease, stale)
+            regressed = (attempt == 1 and reseed_on_regression and acquired is not None
+                         and _regressed(acquired, stale))
             probe.stale(reseeded=regressed)
-            if not regressed:
+            if not regressed or acquired is None:
                 raise
-            recovery = _Recovery.of(lease, stale)
+            recovery = _Recovery.of(acquired, stale)
         finally:
-            with contextlib.suppress(Exception):
-                lease.release()
+            if acquired is not None:
+                with contextlib.suppress(Exception):
+                    acquired.release()
             probe.released(held_since)
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -321,7 +335,8 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
                       intent: IntentRecord | None = None, ttl_ms: int | None = None,
                       timeout_s: float | None = None,
                       reseed_on_regression: bool = True,
-                      reads: ReadCheck | None = None) -> Outcome[Any]:
+                      reads: ReadCheck | None = None,
+                      held: HeldLease | None = None) -> Outcome[Any]:
     """The asyncio twin of ``run_fenced``; ``body`` is a coroutine function."""
     ordered = canonical_keys(keys)
     probe = telemetry.start_fenced(intent)
@@ -331,8 +346,14 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
             await asyncio.sleep(recovery.wait_s())
             await areseed(locks, store, recovery.keys)
             await _araise_floors(locks, recovery.floors)
-        lease = await probe.aacquire(
-            lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s), ordered, attempt)
+        acquired: Lease | None = None
+        lease: HeldLease
+        if held is not None:
+            lease = held
+        else:
+            lease = acquired = await probe.aacquire(
+                lambda: locks.acquire(ordered, ttl_ms=ttl_ms, timeout_s=timeout_s), ordered,
+                attempt)
         held_since = time.monotonic()
         committed = False  # the transaction (with its audit row) is in: the outcome is known
         try:
@@ -349,14 +370,16 @@ async def arun_fenced(locks: AsyncLockManager, store: AsyncGuardedStore,
             return Outcome(duplicate.result, replayed=True, tokens=dict(lease.tokens),
                            reseeded=attempt > 1)
         except StaleFencingToken as stale:
-            regressed = attempt == 1 and reseed_on_regression and _regressed(lease, stale)
+            regressed = (attempt == 1 and reseed_on_regression and acquired is not None
+                         and _regressed(acquired, stale))
             probe.stale(reseeded=regressed)
-            if not regressed:
+            if not regressed or acquired is None:
                 raise
-            recovery = _Recovery.of(lease, stale)
+            recovery = _Recovery.of(acquired, stale)
         finally:
             try:
-                await finish(lease.arelease())  # ends before this task's cancellation goes on
+                if acquired is not None:  # ends before this task's cancellation goes on
+                    await finish(acquired.arelease())
             except asyncio.CancelledError as cancelled:
                 if committed:  # cancelled after the commit: its row says what happened
                     mark_audited(cancelled)
