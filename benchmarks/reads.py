@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import tempfile
 import uuid
@@ -128,7 +127,13 @@ def main() -> None:
     table.print()
     store.close()
     locks.close()
-    random.seed(0)
+    if options.deployment == "postgres":  # the run's own schema goes with it
+        import psycopg
+
+        with psycopg.connect(os.environ.get("TOOLGUARD_TEST_DATABASE_URL",
+                                            "postgresql://postgres@127.0.0.1:5432/test"),
+                             autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def _q(store: Any, sql: str) -> str:
