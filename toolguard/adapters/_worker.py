@@ -74,28 +74,35 @@ def worker_execute(execute: Callable[[Any], Awaitable[T]],
         if tool is not None:
             request = request.override(tool=_answered_here(tool, inbox, loop))
         running = asyncio.run_coroutine_threadsafe(_awaited(execute(request)), loop)
-        running.add_done_callback(lambda _done: inbox.put(None))
-        while True:
-            try:
-                work = inbox.get(timeout=_LOOP_CHECK_S)
-            except queue.Empty:
-                if loop.is_closed() and not running.done():  # the loop is gone: nothing answers
-                    running.cancel()
-                    raise asyncio.CancelledError from None
-                continue
-            if work is None:
-                break
-            work()
-        try:
-            return running.result()
-        except concurrent.futures.CancelledError:  # the loop cancelled it (e.g. shutting down)
-            raise asyncio.CancelledError from None
+        return _serve(running, inbox, loop)
 
     return run
 
 
 async def _awaited(awaitable: Awaitable[T]) -> T:
     return await awaitable
+
+
+def _serve(running: concurrent.futures.Future[T],
+           inbox: queue.SimpleQueue[Callable[[], None] | None],
+           loop: asyncio.AbstractEventLoop) -> T:
+    """Run in this thread what ``inbox`` gets until ``running`` is done; then its result."""
+    running.add_done_callback(lambda _done: inbox.put(None))
+    while True:
+        try:
+            work = inbox.get(timeout=_LOOP_CHECK_S)
+        except queue.Empty:
+            if loop.is_closed() and not running.done():  # the loop is gone: nothing answers
+                running.cancel()
+                raise asyncio.CancelledError from None
+            continue
+        if work is None:
+            break
+        work()
+    try:
+        return running.result()
+    except concurrent.futures.CancelledError:  # the loop cancelled it (e.g. shutting down)
+        raise asyncio.CancelledError from None
 
 
 class InboxExecutor(concurrent.futures.Executor):
@@ -131,22 +138,7 @@ def on_loop(call: Callable[[InboxExecutor], Awaitable[T]], loop: asyncio.Abstrac
     """
     inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
     running = asyncio.run_coroutine_threadsafe(_awaited(call(InboxExecutor(inbox))), loop)
-    running.add_done_callback(lambda _done: inbox.put(None))
-    while True:
-        try:
-            work = inbox.get(timeout=_LOOP_CHECK_S)
-        except queue.Empty:
-            if loop.is_closed() and not running.done():  # the loop is gone: nothing answers
-                running.cancel()
-                raise asyncio.CancelledError from None
-            continue
-        if work is None:
-            break
-        work()
-    try:
-        return running.result()
-    except concurrent.futures.CancelledError:  # the loop cancelled it (e.g. shutting down)
-        raise asyncio.CancelledError from None
+    return _serve(running, inbox, loop)
 
 
 def _answered_here(tool: Any, inbox: queue.SimpleQueue[Callable[[], None] | None],
