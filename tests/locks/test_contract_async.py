@@ -84,7 +84,12 @@ def test_await_form_timeout_and_idempotent_release(backend: LockEnv) -> None:
 @pytest.mark.parametrize("tamper", ["drop", "steal"])
 def test_lost_lease_cancels_the_task_inside_async_with(backend: LockEnv, tamper: str) -> None:
     key = backend.key("alost")
-    ttl_ms = 600
+    # The heartbeat renews every ttl/3 and hears "not yours" (NotOwned) at its first renewal
+    # after the tamper; only if no renewal at all runs within a whole TTL does the lease's own
+    # deadline end it first (LockLost). With 600 ms that happened once under a full CI run (a
+    # worker starting a Redis cluster starved this one's heartbeat): the TTL must be longer than
+    # a 2-core machine's scheduling stalls for the test to see which answer the server gave.
+    ttl_ms = 2_000
 
     async def main() -> tuple[float, Lease | None]:
         manager = backend.async_manager()
